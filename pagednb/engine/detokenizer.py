@@ -1,0 +1,122 @@
+"""Incremental detokenization of one request's output, with stop strings.
+
+Text is produced by decoding a window of recent token ids and keeping what the newest ids added
+(the "prefix/read offset" scheme): decoding ids together, rather than one by one, keeps the
+spaces a tokenizer only renders between tokens, and a window that ends on a byte-incomplete
+character (a lone "\ufffd") is held back until its remaining bytes arrive. Fast tokenizers use
+`tokenizers.decoders.DecodeStream`, which runs the same scheme in Rust.
+
+Invariant: the concatenation of all `take_delta()` results equals the final `output_text`.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from pagednb.sampling_params import RequestOutputKind, SamplingParams
+
+# Trailing prompt tokens decoded with the output so its first token keeps its leading space
+# (metaspace "▁" tokenizers strip the space of the first decoded token).
+CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(
+            tokenizer, "backend_tokenizer", None)
+        skip = params.skip_special_tokens
+        if backend is not None:
+            self._decode = partial(backend.decode, skip_special_tokens=skip)
+        else:  # a slow tokenizer: no cleanup, or deltas would not add up
+            self._decode = partial(tokenizer.decode, skip_special_tokens=skip,
+                                   clean_up_tokenization_spaces=False)
+        context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self._ids = context  # context + output ids
+        self._prefix = 0  # ids[prefix:read] decode to the text emitted last
+        self._read = len(context)
+        self._num_output = 0
+        self._stops = params.stop
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        # A delta must not show the start of a stop string that later completes.
+        max_stop = max(map(len, self._stops), default=0)
+        self._holdback = 0 if self._include_stop else max(0, max_stop - 1)
+        # Nobody looks at the text before the end: decode once when the request finishes.
+        self._deferred = params.output_kind is RequestOutputKind.FINAL_ONLY and not self._stops
+        self._backend = backend
+        self._stream = (DecodeStream(ids=context, skip_special_tokens=skip)
+                        if backend is not None and not self._deferred else None)
+        self._text = ""
+        self._shown = 0  # chars of _text already returned by take_delta
+        self._finished = False
+
+    def update(self, new_token_ids: list[int], finished: bool) -> str | None:
+        """Adds tokens; returns the stop string if one now appears in the text.
+
+        The caller then finishes the request; later updates are ignored.
+        """
+        if self._finished:
+            return None
+        self._ids += new_token_ids
+        self._num_output += len(new_token_ids)
+        start = len(self._text)
+        if not self._deferred:
+            self._text += self._decode_new(new_token_ids)
+        if finished:
+            self._text += self._decode_window(final=True)
+        stop = self._find_stop(start)
+        self._finished = finished or stop is not None
+        return stop
+
+    @property
+    def output_text(self) -> str:
+        """Text safe to show so far; the final text once finished or stopped."""
+        return self._text[:self._visible_len()]
+
+    def take_delta(self) -> str:
+        """The part of `output_text` not returned by an earlier call."""
+        end = self._visible_len()
+        delta = self._text[self._shown:end]
+        self._shown = end
+        return delta
+
+    def _visible_len(self) -> int:
+        if self._finished or not self._holdback:
+            return len(self._text)
+        return max(0, len(self._text) - self._holdback)
+
+    def _decode_new(self, new_token_ids: list[int]) -> str:
+        if self._stream is None:
+            return self._decode_window(final=False)
+        chunk = self._stream.step(self._backend, new_token_ids)
+        if chunk is None:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return chunk
+
+    def _decode_window(self, final: bool) -> str:
+        """Text added by ids[read:]; unless `final`, "" while it may end mid-character."""
+        if self._read == len(self._ids):
+            return ""
+        old = self._decode(self._ids[self._prefix:self._read])
+        new = self._decode(self._ids[self._prefix:])
+        if not final and (len(new) <= len(old) or new.endswith(_INCOMPLETE)):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return new[len(old):]
+
+    def _find_stop(self, start: int) -> str | None:
+        """Finds the earliest stop string that overlaps text added after `start`; cuts there."""
+        if not self._stops or self._num_output < self._min_tokens:
+            return None
+        best, best_at = None, len(self._text)
+        for stop in self._stops:
+            at = self._text.find(stop, max(0, start - len(stop) + 1), best_at + len(stop) - 1)
+            if at != -1 and at < best_at:
+                best, best_at = stop, at
+        if best is not None:
+            self._text = self._text[:best_at + (len(best) if self._include_stop else 0)]
+        return best

@@ -1,0 +1,140 @@
+"""Maps requests to KV blocks: prefix-cache hits, allocation for each step, freeing, sliding windows.
+
+Policy (who runs, who is preempted) lives in the scheduler; this file only answers "can this request
+get room for n more tokens?" and keeps every request's block list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagednb.engine.block_pool import BlockHash, BlockPool, KVBlock
+from pagednb.request import Request
+
+
+@dataclass
+class _RequestBlocks:
+    blocks: list[KVBlock | None] = field(default_factory=list)  # None: released (left the window)
+    hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks, in order
+    num_cached: int = 0  # leading full blocks already registered in the prefix cache
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Hands blocks to requests. Token t of a request lives in its block t // block_size."""
+
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._reqs: dict[str, _RequestBlocks] = {}
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    @property
+    def caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def find_prefix_hit(self, req: Request) -> PrefixHit:
+        """Longest run of cached full blocks matching the request's tokens, content-verified.
+
+        Capped at num_tokens - 1 so the last token is always computed: its logits give the next token.
+        """
+        if not self.caching:
+            return PrefixHit([], 0)
+        state = self._reqs.setdefault(req.request_id, _RequestBlocks())
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, state, max_blocks)
+        hit: list[KVBlock] = []
+        parent = None
+        for i in range(max_blocks):
+            block = self.pool.lookup(state.hashes[i], self._block_tokens(req, i), parent)
+            if block is None:
+                break
+            hit.append(block)
+            parent = block
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+        """Room for num_new_tokens more tokens (after any prefix hit), or None if the pool is short.
+
+        Returns the ids of the blocks appended to the request's block list (hit blocks first).
+        """
+        state = self._reqs.setdefault(req.request_id, _RequestBlocks())
+        hit_blocks = hit.blocks if hit else []
+        num_computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
+        self._release_out_of_window(state, num_computed)
+        total_tokens = num_computed + num_new_tokens
+        num_new_blocks = -(-total_tokens // self.block_size) - len(state.blocks) - len(hit_blocks)
+        num_hits_leaving_free_list = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_hits_leaving_free_list > self.pool.num_free_blocks:
+            return None
+        if hit is not None and self.caching:  # an admission: count it for the hit rate
+            self.prefix_cache_query_tokens += req.num_tokens
+            self.prefix_cache_hit_tokens += hit.num_tokens
+        self.pool.touch(hit_blocks)
+        new_blocks = hit_blocks + self.pool.allocate(max(num_new_blocks, 0))
+        state.blocks.extend(new_blocks)
+        if hit_blocks:
+            state.num_cached = len(hit_blocks)
+        self._cache_full_blocks(req, state, total_tokens)
+        return [block.block_id for block in new_blocks]
+
+    def free(self, req: Request) -> None:
+        """Gives back the request's blocks, last block first (see BlockPool.free)."""
+        state = self._reqs.pop(req.request_id, None)
+        if state is not None:
+            self.pool.free(block for block in reversed(state.blocks) if block is not None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        state = self._reqs.get(request_id)
+        return [] if state is None else [b.block_id if b is not None else -1 for b in state.blocks]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        state = self._reqs.get(request_id)
+        return 0 if state is None else sum(block is not None for block in state.blocks)
+
+    def reference_counts(self) -> dict[int, int]:
+        """How many requests hold each block: what every block's ref_cnt must equal."""
+        counts: dict[int, int] = {}
+        for state in self._reqs.values():
+            for block in state.blocks:
+                if block is not None:
+                    counts[block.block_id] = counts.get(block.block_id, 0) + 1
+        return counts
+
+    def _release_out_of_window(self, state: _RequestBlocks, num_computed: int) -> None:
+        """Frees blocks no future query can see: the first new query sits at position num_computed."""
+        if self.sliding_window is None:
+            return
+        first_visible = num_computed - self.sliding_window + 1
+        for i in range(min(max(first_visible, 0) // self.block_size, len(state.blocks))):
+            block = state.blocks[i]
+            if block is not None:
+                self.pool.free([block])
+                state.blocks[i] = None
+
+    def _cache_full_blocks(self, req: Request, state: _RequestBlocks, num_tokens: int) -> None:
+        """Registers blocks that this step fills (their tokens are known; the K/V lands this step)."""
+        if not self.caching:
+            return
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        if num_full <= state.num_cached:
+            return
+        self._extend_hashes(req, state, num_full)
+        for i in range(state.num_cached, num_full):
+            parent = state.blocks[i - 1] if i > 0 else None
+            self.pool.cache_full_block(state.blocks[i], state.hashes[i], self._block_tokens(req, i), parent)
+        state.num_cached = num_full
+
+    def _extend_hashes(self, req: Request, state: _RequestBlocks, num_blocks: int) -> None:
+        for i in range(len(state.hashes), num_blocks):
+            parent_hash = state.hashes[i - 1] if i > 0 else None
+            state.hashes.append(self.pool.hash_fn(parent_hash, self._block_tokens(req, i)))
+
+    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        return tuple(req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])

@@ -1,0 +1,74 @@
+"""From requests that advanced to RequestOutputs: detokenize incrementally, find stop strings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagednb.engine.detokenizer import IncrementalDetokenizer
+from pagednb.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagednb.request import Request
+from pagednb.sampling_params import RequestOutputKind
+
+
+@dataclass
+class _Tracked:
+    detokenizer: IncrementalDetokenizer
+    num_detokenized: int = 0  # output tokens already fed to the detokenizer
+    num_sent: int = 0  # output tokens already handed out (for DELTA outputs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._tracked: dict[str, _Tracked] = {}
+
+    def add_request(self, req: Request) -> None:
+        self._tracked[req.request_id] = _Tracked(
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params))
+
+    def detokenize(self, reqs: list[Request]) -> dict[str, str]:
+        """Feeds new tokens to each request's detokenizer; returns {request_id: stop string} for
+        running requests whose text now contains a stop string (the engine then finishes them)."""
+        stops = {}
+        for req in reqs:
+            tracked = self._tracked[req.request_id]
+            new_tokens = req.output_token_ids[tracked.num_detokenized:]
+            tracked.num_detokenized = req.num_output_tokens
+            stop = tracked.detokenizer.update(new_tokens, finished=req.is_finished)
+            if stop is not None and not req.is_finished:
+                stops[req.request_id] = stop
+        return stops
+
+    def make_outputs(self, reqs: list[Request], error: BaseException | None = None) -> list[RequestOutput]:
+        outputs = []
+        for req in reqs:
+            if not req.is_finished and req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
+            outputs.append(self._make_output(req, error))
+            if req.is_finished:
+                del self._tracked[req.request_id]
+        return outputs
+
+    def _make_output(self, req: Request, error: BaseException | None) -> RequestOutput:
+        tracked = self._tracked[req.request_id]
+        detok = tracked.detokenizer
+        delta = detok.take_delta()
+        if req.sampling_params.output_kind == RequestOutputKind.DELTA:
+            text, token_ids = delta, req.output_token_ids[tracked.num_sent:]
+        else:
+            text, token_ids = detok.output_text, list(req.output_token_ids)
+        tracked.num_sent = req.num_output_tokens
+        wants_logprobs = req.sampling_params.logprobs is not None
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids, finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason, delta=delta,
+            cumulative_logprob=req.cumulative_logprob if wants_logprobs else None,
+            logprobs=list(req.logprobs) if wants_logprobs else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion], finished=req.is_finished, num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time), error=error,
+        )
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._tracked

@@ -1,0 +1,250 @@
+"""Turns one step's logits into next tokens: penalties, masking, temperature, top-k/p, min-p.
+
+Everything is a batched tensor op over the sampled rows; Python loops only touch rows that need
+their own state (seeded rows draw from their own generator so their tokens do not depend on the
+batch they land in). An all-greedy batch with nothing else to do is a single argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagednb.sampling_params import SamplingParams
+
+
+@dataclass
+class Penalties:
+    """Where penalties land, as flat positions (row * V + token) into the [n, V] logits.
+
+    Only the handful of tokens a request has seen are touched, not its whole vocabulary row.
+    """
+
+    seen: torch.Tensor  # [s] each token of prompt + output once (rows with a repetition penalty)
+    repetition: torch.Tensor  # [s] that row's repetition penalty
+    occurrences: torch.Tensor  # [o] each output token, repeats included (frequency penalty)
+    frequency: torch.Tensor  # [o]
+    present: torch.Tensor  # [q] each output token once (presence penalty)
+    presence: torch.Tensor  # [q]
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs; row i is the i-th sampled request.
+
+    Tensors for optional features are None when no row uses them, so the sampler can skip them.
+    Random-sampling fields (temperature, top_k, top_p, min_p, seeded) index the random rows only.
+    """
+
+    num_rows: int
+    random_rows: torch.Tensor | None  # [m] int64; None when all rows are random or all greedy
+    num_random: int
+    temperature: torch.Tensor | None  # [m, 1]
+    filter_rows: torch.Tensor | None  # [f] random rows using top-k/top-p; None when all are
+    top_k: torch.Tensor | None  # [f] int64, V where off; None when no row filters
+    top_p: torch.Tensor | None  # [f] float32, 1.0 where off
+    min_p: torch.Tensor | None  # [m]
+    generator: torch.Generator | None  # shared by random rows without their own
+    seeded: list[tuple[int, torch.Generator]]  # (index among random rows, its generator)
+    penalties: Penalties | None
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
+    max_num_logprobs: int | None  # None when no row wants logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.num_random == 0
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """True when argmax of the raw logits is the whole answer."""
+        return (self.all_greedy and self.penalties is None and self.banned is None
+                and self.max_num_logprobs is None)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+              vocab_size: int, device: torch.device, eos_token_ids: list[int] | None = None,
+              generator: torch.Generator | None = None) -> SamplingMetadata:
+        """`generators[i]` is request i's own generator (required when it has a seed)."""
+        n = len(params)
+        random_idx = [i for i, p in enumerate(params) if not p.is_greedy]
+        m = len(random_idx)
+        rnd = [params[i] for i in random_idx]
+        seeded = []
+        for j, i in enumerate(random_idx):
+            if generators[i] is not None:
+                seeded.append((j, generators[i]))
+            elif params[i].seed is not None:
+                raise ValueError(f"row {i} has seed {params[i].seed} but no generator")
+        filtering = [j for j, p in enumerate(rnd) if p.top_k > 0 or p.top_p < 1.0]
+        filters = [rnd[j] for j in filtering]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            num_rows=n,
+            random_rows=_index(random_idx, device) if 0 < m < n else None,
+            num_random=m,
+            temperature=_floats([p.temperature for p in rnd], device).unsqueeze(1) if m else None,
+            filter_rows=_index(filtering, device) if 0 < len(filtering) < m else None,
+            top_k=_index([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+                          for p in filters], device) if filters else None,
+            top_p=torch.tensor([p.top_p for p in filters], device=device) if filters else None,
+            min_p=(torch.tensor([p.min_p for p in rnd], device=device)
+                   if any(p.min_p > 0.0 for p in rnd) else None),
+            generator=generator,
+            seeded=seeded,
+            penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size,
+                                       device),
+            banned=_build_banned(params, output_token_ids, eos_token_ids or [], device),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [n] int64
+    logprobs: torch.Tensor | None  # [n] float32, log-softmax of the raw logits at token_ids
+    top_logprobs: torch.Tensor | None  # [n, k_max], descending
+    top_token_ids: torch.Tensor | None  # [n, k_max]
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """`logits` is [n, V] float32; it is never modified."""
+        if metadata.is_plain_greedy:
+            return SamplerOutput(logits.argmax(-1), None, None, None)
+        raw = logits
+        logits = apply_penalties(logits, metadata.penalties)
+        if metadata.banned is not None:
+            if logits is raw:
+                logits = logits.clone()
+            logits[metadata.banned] = float("-inf")
+        token_ids = _sample(logits, metadata)
+        return _with_logprobs(raw, token_ids, metadata.max_num_logprobs)
+
+
+def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.all_greedy:
+        return logits.argmax(-1)
+    if md.random_rows is None:  # all rows random
+        return _sample_random(logits, md)
+    token_ids = logits.argmax(-1)
+    token_ids[md.random_rows] = _sample_random(logits[md.random_rows], md)
+    return token_ids
+
+
+def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Inverse-CDF draw in token-id order: one uniform per row, so a seeded row's token depends
+    only on its own logits and generator, never on the batch around it."""
+    logits = logits / md.temperature
+    weights = (logits - logits.amax(-1, keepdim=True)).exp_()  # unnormalised; the top token is 1
+    if md.top_k is not None:
+        weights.masked_fill_(logits < _top_k_top_p_floor(logits, md), 0.0)
+    if md.min_p is not None:
+        weights.masked_fill_(weights < md.min_p.unsqueeze(1), 0.0)
+    cdf = weights.cumsum_(-1)
+    # 1 - u lies in (0, 1], so the target picks a token of nonzero weight and never runs off the end.
+    target = (1.0 - _uniforms(md)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1)
+
+
+def _uniforms(md: SamplingMetadata) -> torch.Tensor:
+    device = md.temperature.device
+    u = torch.rand(md.num_random, 1, generator=md.generator, device=device)
+    for row, gen in md.seeded:
+        u[row] = torch.rand(1, generator=gen, device=device)
+    return u
+
+
+def _top_k_top_p_floor(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[m, 1] smallest logit each row keeps under top-k, then top-p (-inf for rows without).
+
+    Only the rows that filter are sorted, and only as far as the largest k they ask for; top-p
+    runs on unnormalised cumulative weights, so a row's result does not depend on that length.
+    """
+    rows = logits if md.filter_rows is None else logits[md.filter_rows]
+    k_max = int(md.top_k.max())
+    if k_max < rows.shape[-1]:
+        top = rows.topk(k_max, dim=-1).values
+    else:
+        top = rows.sort(-1, descending=True).values
+    weights = (top - top[:, :1]).exp_()
+    weights.masked_fill_(torch.arange(k_max, device=top.device) >= md.top_k.unsqueeze(1), 0.0)
+    cum = weights.cumsum(-1)
+    keep = ((cum - weights) < md.top_p.unsqueeze(1) * cum[:, -1:]) & (weights > 0)
+    floor = top.gather(1, keep.sum(-1, keepdim=True) - 1)
+    if md.filter_rows is None:
+        return floor
+    full = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device)
+    return full.index_copy_(0, md.filter_rows, floor)
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties | None) -> torch.Tensor:
+    """HF repetition penalty over prompt+output, then OpenAI frequency/presence over output."""
+    if pen is None:
+        return logits
+    logits = logits.clone()
+    flat = logits.view(-1)
+    seen = flat[pen.seen]
+    flat[pen.seen] = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
+    flat.index_add_(0, pen.occurrences, pen.frequency, alpha=-1)  # once per occurrence: count * f
+    flat.index_add_(0, pen.present, pen.presence, alpha=-1)
+    return logits
+
+
+def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k_max: int | None) -> SamplerOutput:
+    if k_max is None:
+        return SamplerOutput(token_ids, None, None, None)
+    logprobs = raw.log_softmax(-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    if k_max == 0:
+        return SamplerOutput(token_ids, chosen, None, None)
+    top = logprobs.topk(k_max, dim=-1)
+    return SamplerOutput(token_ids, chosen, top.values, top.indices)
+
+
+def _build_penalties(params: list[SamplingParams], prompts: list[list[int]],
+                     outputs: list[list[int]], vocab: int, device: torch.device) -> Penalties | None:
+    seen, repetition, occurrences, frequency, present, presence = [], [], [], [], [], []
+    for i, p in enumerate(params):
+        if not p.has_penalties:
+            continue
+        base, out = i * vocab, outputs[i]
+        if p.repetition_penalty != 1.0:
+            tokens = set(prompts[i]).union(out)
+            seen += [base + t for t in tokens]
+            repetition += [p.repetition_penalty] * len(tokens)
+        if p.frequency_penalty != 0.0:
+            occurrences += [base + t for t in out]
+            frequency += [p.frequency_penalty] * len(out)
+        if p.presence_penalty != 0.0:
+            tokens = set(out)
+            present += [base + t for t in tokens]
+            presence += [p.presence_penalty] * len(tokens)
+    if not (repetition or frequency or presence):
+        return None
+    return Penalties(_index(seen, device), _floats(repetition, device),
+                     _index(occurrences, device), _floats(frequency, device),
+                     _index(present, device), _floats(presence, device))
+
+
+def _build_banned(params: list[SamplingParams], outputs: list[list[int]], eos_token_ids: list[int],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """EOS and stop token ids of rows still short of min_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(params):
+        if len(outputs[i]) < p.min_tokens:
+            ids = p.stop_token_ids if p.ignore_eos else [*eos_token_ids, *p.stop_token_ids]
+            rows += [i] * len(ids)
+            cols += ids
+    if not rows:
+        return None
+    return _index(rows, device), _index(cols, device)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)

@@ -1,0 +1,189 @@
+"""Continuous batching: each step, choose which requests advance by how many tokens.
+
+One loop over a token budget, no prefill/decode phases (vLLM v1's design): running requests first,
+each getting its next decode token or its next prefill chunk; when the KV pool runs dry the lowest
+priority running request is preempted (blocks freed, recomputed later); then waiting requests are
+admitted in queue order while the budget, the pool and max_num_seqs allow. Prefill chunks and decode
+tokens of one step go through the model in a single forward pass.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagednb.engine.kv_cache_manager import KVCacheManager
+from pagednb.engine.request_queue import make_queue
+from pagednb.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens all_token_ids[start:start + num_new_tokens]."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    new_block_ids: list[int]
+    is_new: bool  # first step since (re)admission: the runner starts its block table afresh
+    # Whether this step reaches the end of the known tokens, so its last logits give a new token.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that left the running set since the last step (finished, aborted, preempted): the
+    # model runner drops their rows.
+    released_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "fcfs") -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting = make_queue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._released: list[str] = []
+
+    # ---- request lifecycle -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Ends requests wherever they are (waiting or running) and frees their blocks at once."""
+        finished = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            finished.append(req)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ---- the step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            budget -= self._schedule_running(req, budget, out)
+        if not out.preempted:  # no room was short this step: admit waiting requests
+            budget = self._admit_waiting(budget, out)
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        out.released_request_ids, self._released = self._released, []
+        return out
+
+    def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedules req's next tokens, preempting others if the pool is short. Returns tokens used."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        while (new_block_ids := self.kv.allocate_slots(req, num_new)) is None:
+            victim = max(self.running, key=Request.sort_key) if self.policy == "priority" else self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return 0
+        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, new_block_ids, False))
+        return num_new
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hit = self.kv.find_prefix_hit(req)
+            num_new = min(req.num_tokens - hit.num_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(req, num_new, hit)
+            if new_block_ids is None:
+                break  # head-of-line waits: admitting smaller requests past it would starve it
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, hit.num_tokens, num_new, new_block_ids, True))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Frees the victim's blocks and sends it back to the waiting queue to be recomputed."""
+        for i, s in enumerate(out.scheduled):
+            if s.request is victim:  # already given tokens this step (priority policy): take them back
+                del out.scheduled[i]
+                break
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(victim)
+        self._released.append(victim.request_id)
+        out.preempted.append(victim)
+
+    # ---- after the model ran ---------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """Appends each sampling request's new token and applies token-level stops.
+
+        sampled_token_ids holds one token per scheduled request that samples, in schedule order.
+        Returns the requests that got a token (finished ones included).
+        """
+        now = time.monotonic()
+        progressed = []
+        tokens = iter(sampled_token_ids)
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            req = s.request
+            req.append_output_token(next(tokens))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            progressed.append(req)
+        return progressed
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        token = req.output_token_ids[-1]
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.monotonic()
+        self.kv.free(req)
+        self._released.append(req.request_id)
+        del self.requests[req.request_id]

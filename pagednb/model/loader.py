@@ -1,0 +1,156 @@
+"""Finding a model (local folder or HF Hub id) and loading its config, tokenizer and weights.
+
+Weights are read only from safetensors: pickle-based .bin checkpoints can run arbitrary code when
+loaded, and an inference server should not execute files it downloads.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pagednb.attention.backend import AttentionBackend
+from pagednb.model.decoder import CausalLM
+from pagednb.model.layers import MergedLinear
+from pagednb.model.registry import model_class
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class ModelNotFoundError(ValueError):
+    """Neither a local folder nor a Hub repository that can be reached or found in the cache."""
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint's tensors do not fit the model (missing, unexpected, misshapen, not safetensors)."""
+
+
+def _looks_local(model: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything path-shaped is meant as a local folder."""
+    if model.startswith(("/", "./", "../", "~", ".\\")) or model.count("/") > 1:
+        return True
+    parent = Path(model).parent
+    return parent != Path(".") and parent.exists()
+
+
+def resolve_model_path(model: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local model folder, or the Hub snapshot folder of `model` (downloaded if needed)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if isinstance(model, os.PathLike) or _looks_local(str(model)) or path.exists():
+        raise ModelNotFoundError(f"model folder {str(model)!r} does not exist (or is not a folder)")
+    return _snapshot(str(model), revision)
+
+
+def _snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import (HFValidationError, LocalEntryNotFoundError,
+                                       RepositoryNotFoundError, RevisionNotFoundError)
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the Hub cannot be reached "
+            f"(offline or no network). On a connected machine run `huggingface-cli download "
+            f"{repo_id}` (or `hf download {repo_id}`) and copy the cache, or pass a local model "
+            f"folder instead.") from e
+    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as e:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} (revision {revision or 'main'}) was not found on the Hugging Face Hub "
+            f"and is not a local folder: {e}") from e
+
+
+def load_hf_config(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device,
+               attn_backend: AttentionBackend) -> CausalLM:
+    """Build the model without initialising weights, then fill every parameter from safetensors."""
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config, attn_backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.reset_buffers()
+    load_weights(model, safetensors_files(Path(path)))
+    return model.eval()
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors shards (from the index if sharded); refuses pickle checkpoints."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+    if pickled:
+        raise WeightLoadError(
+            f"{path} holds only pickle weights ({', '.join(sorted(pickled))}); pagednb loads only "
+            f"*.safetensors, for security (pickle files can run code). Convert the checkpoint to "
+            f"safetensors (e.g. save_pretrained(..., safe_serialization=True)).")
+    raise WeightLoadError(f"no *.safetensors weights found in {path}")
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def weight_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | None]]:
+    """Checkpoint (HF) tensor name -> (parameter, rows of it), unpacking the fused projections."""
+    targets: dict[str, tuple[torch.Tensor, slice | None]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if isinstance(module, MergedLinear):
+                parent = module_name.rpartition(".")[0]
+                for shard, rows in module.shard_slices().items():
+                    targets[f"{parent}.{shard}.{param_name}"] = (param, rows)
+            else:
+                targets[f"{module_name}.{param_name}"] = (param, None)
+    return targets
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, files: list[Path]) -> None:
+    """Copy every checkpoint tensor into its (part of a) parameter; all must be present."""
+    targets = weight_targets(model)
+    loaded, unexpected = set(), []
+    for name, tensor in _iter_tensors(files):
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
+            continue
+        if name not in targets:
+            unexpected.append(name)
+            continue
+        param, rows = targets[name]
+        dest = param if rows is None else param[rows]
+        if dest.shape != tensor.shape:
+            raise WeightLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"model expects {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        loaded.add(name)
+    _check_complete(targets.keys() - loaded, unexpected)
+
+
+def _check_complete(missing: set[str], unexpected: list[str]) -> None:
+    if missing:
+        raise WeightLoadError(f"checkpoint is missing weights: {', '.join(sorted(missing))}")
+    if unexpected:
+        raise WeightLoadError(f"checkpoint has weights the model does not use: "
+                              f"{', '.join(sorted(unexpected))}")

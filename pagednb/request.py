@@ -1,0 +1,100 @@
+"""A request as the engine sees it: its tokens, its progress through the cache, and its state."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagednb.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every status after PREEMPTED is a finished one (as in vLLM v1)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. Carries its own token history, KV blocks and sampling state.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache; the tokens still to feed are
+    all_token_ids[num_computed_tokens:]. A preempted request drops its blocks and resets that count:
+    it is recomputed from scratch later (prefix caching usually makes that cheap).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    prompt: str | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_index: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Set by the KV cache manager: the request's blocks in order, and hashes of its full blocks.
+    block_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Priority order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.arrival_index)

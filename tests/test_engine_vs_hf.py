@@ -1,0 +1,95 @@
+"""Greedy outputs equal HF transformers' `generate` token for token, for each supported architecture,
+however the engine batches the work: mixed prompt lengths in one batch, a tiny token budget (chunked
+prefill), shared prefixes (prefix-cache hits), a pool so small it must preempt, prompts longer than
+Mistral's sliding window."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagednb import LLM, SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+MAX_NEW = 24
+SHARED = "Paged attention stores the key value cache in fixed blocks of tokens. "
+PROMPTS = [
+    "Once upon a time there was a cat",
+    "The dog",
+    SHARED + "Continuous batching lets new requests join",
+    SHARED + "Unicode text: café",
+    SHARED * 2 + "Numbers 0 1 2",
+    "x",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request, tiny_model_dir):
+    """(model dir, the HF reference continuation of every prompt)."""
+    path = tiny_model_dir(request.param)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    refs = []
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=2)
+        refs.append(out[0, ids.shape[1]:].tolist())
+    return request.param, path, refs
+
+
+def generate_all(path, **engine_args):
+    with LLM(str(path), **engine_args) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+        llm.engine.check_integrity()
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+def test_batch_of_mixed_lengths_matches_hf(arch_case):
+    _, path, refs = arch_case
+    got, stats = generate_all(path, num_kv_blocks=64)
+    assert got == refs
+    assert stats["used_blocks"] == 0
+
+
+def test_tiny_token_budget_forces_chunked_prefill_and_still_matches(arch_case):
+    _, path, refs = arch_case
+    got, _ = generate_all(path, num_kv_blocks=64, max_num_batched_tokens=7)
+    assert got == refs
+
+
+def test_prefix_cache_hits_do_not_change_outputs(arch_case):
+    arch, path, refs = arch_case
+    with LLM(str(path), num_kv_blocks=64) as llm:
+        first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # served from cached blocks
+        stats = llm.stats()
+    assert [o.outputs[0].token_ids for o in first] == refs
+    assert [o.outputs[0].token_ids for o in second] == refs
+    if arch == "mistral":
+        assert stats["prefix_cache_hit_tokens"] == 0  # prefix caching is off with a sliding window
+    else:
+        assert stats["prefix_cache_hit_tokens"] > 0
+        assert sum(o.num_cached_tokens for o in second) > 0
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_still_matches(arch_case):
+    _, path, refs = arch_case
+    got, stats = generate_all(path, num_kv_blocks=8, max_model_len=112)
+    assert got == refs
+    assert stats["preemptions"] > 0
+
+
+def test_mistral_prompts_longer_than_the_window_match_hf(tiny_model_dir):
+    path = tiny_model_dir("mistral", sliding_window=8)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = SHARED * 2
+    ids = tok(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] > 8 * 3
+    ref = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=2)[0, ids.shape[1]:]
+    with LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=5) as llm:
+        assert llm.engine.spec.sliding_window == 8
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.tolist()
