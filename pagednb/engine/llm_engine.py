@@ -117,6 +117,7 @@ class LLMEngine:
         self._check_open()
         aborted = self._apply_aborts()
         sched = self.scheduler.schedule()
+        self.runner.release_requests(sched.released_request_ids)
         if not sched.scheduled:
             self.output_processor.detokenize(aborted)
             return self.output_processor.make_outputs(aborted)

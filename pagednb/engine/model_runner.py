@@ -82,6 +82,11 @@ class ModelRunner:
         self.release_kv_cache()
         return scratch
 
+    def release_requests(self, request_ids: list[str]) -> None:
+        """Forgets the rows of requests that left the running set (finished, aborted, preempted)."""
+        for request_id in request_ids:
+            self.block_table.release(request_id)
+
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[int], SamplerOutput]:
@@ -101,8 +106,6 @@ class ModelRunner:
 
     def prepare_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list]:
         """Flattens the step's tokens and gathers positions, slots and block tables (vectorised)."""
-        for request_id in sched.released_request_ids:
-            self.block_table.release(request_id)
         token_ids: list[int] = []
         starts, lens, rows, sampled_reqs, sample_mask = [], [], [], [], []
         for s in sched.scheduled:

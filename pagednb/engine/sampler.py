@@ -33,10 +33,9 @@ class SamplingMetadata:
     """Per-step sampling inputs; row i is the i-th sampled request.
 
     Tensors for optional features are None when no row uses them, so the sampler can skip them.
-    Random-sampling fields (temperature, top_k, top_p, min_p, seeded) index the random rows only.
+    Random-sampling fields index the m random rows; top_k/top_p index the f of those that filter.
     """
 
-    num_rows: int
     random_rows: torch.Tensor | None  # [m] int64; None when all rows are random or all greedy
     num_random: int
     temperature: torch.Tensor | None  # [m, 1]
@@ -80,15 +79,14 @@ class SamplingMetadata:
         filters = [rnd[j] for j in filtering]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            num_rows=n,
             random_rows=_index(random_idx, device) if 0 < m < n else None,
             num_random=m,
             temperature=_floats([p.temperature for p in rnd], device).unsqueeze(1) if m else None,
             filter_rows=_index(filtering, device) if 0 < len(filtering) < m else None,
             top_k=_index([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
                           for p in filters], device) if filters else None,
-            top_p=torch.tensor([p.top_p for p in filters], device=device) if filters else None,
-            min_p=(torch.tensor([p.min_p for p in rnd], device=device)
+            top_p=_floats([p.top_p for p in filters], device) if filters else None,
+            min_p=(_floats([p.min_p for p in rnd], device)
                    if any(p.min_p > 0.0 for p in rnd) else None),
             generator=generator,
             seeded=seeded,
@@ -108,6 +106,8 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
+    """Order: penalties, min_tokens masking, then greedy argmax or temperature/top-k/top-p/min-p."""
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """`logits` is [n, V] float32; it is never modified."""
         if metadata.is_plain_greedy:
