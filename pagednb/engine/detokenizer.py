@@ -72,6 +72,12 @@ class IncrementalDetokenizer:
         return stop
 
     @property
+    def defers_until_finished(self) -> bool:
+        """True when nothing is decoded before the end (FINAL_ONLY, no stop strings): callers may
+        skip the per-step update and hand over every token at once when the request finishes."""
+        return self._deferred
+
+    @property
     def output_text(self) -> str:
         """Text safe to show so far; the final text once finished or stopped."""
         return self._text[:self._visible_len()]

@@ -34,10 +34,7 @@ class KVCacheManager:
         self._reqs: dict[str, _RequestBlocks] = {}
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
-
-    @property
-    def caching(self) -> bool:
-        return self.pool.enable_caching
+        self.caching = pool.enable_caching
 
     def find_prefix_hit(self, req: Request) -> PrefixHit:
         """Longest run of cached full blocks matching the request's tokens, content-verified.
@@ -64,7 +61,14 @@ class KVCacheManager:
 
         Returns the ids of the blocks appended to the request's block list (hit blocks first).
         """
-        state = self._reqs.setdefault(req.request_id, _RequestBlocks())
+        state = self._reqs.get(req.request_id)
+        if hit is None and state is not None and self.sliding_window is None:
+            total_tokens = req.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(state.blocks) * self.block_size and (
+                    not self.caching or total_tokens < (state.num_cached + 1) * self.block_size):
+                return []  # the common decode step: room in the last block, no block fills up
+        if state is None:
+            state = self._reqs[req.request_id] = _RequestBlocks()
         hit_blocks = hit.blocks if hit else []
         num_computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
         self._release_out_of_window(state, num_computed)

@@ -108,22 +108,23 @@ class ModelRunner:
         """Flattens the step's tokens and gathers positions, slots and block tables (vectorised)."""
         token_ids: list[int] = []
         starts, lens, rows, sampled_reqs, sample_mask = [], [], [], [], []
+        block_table, row_of = self.block_table, self.block_table.row_of
         for s in sched.scheduled:
-            req = s.request
+            req, start, n = s.request, s.start, s.num_new_tokens
             if s.is_new:
-                self.block_table.start(req.request_id, s.new_block_ids)
+                block_table.start(req.request_id, s.new_block_ids)
+            elif s.new_block_ids:
+                block_table.append(req.request_id, s.new_block_ids)
+            if n == 1:
+                token_ids.append(req.all_token_ids[start])
             else:
-                self.block_table.append(req.request_id, s.new_block_ids)
-            if s.num_new_tokens == 1:
-                token_ids.append(req.all_token_ids[s.start])
-            else:
-                token_ids.extend(req.all_token_ids[s.start:s.start + s.num_new_tokens])
-            starts.append(s.start)
-            lens.append(s.num_new_tokens)
-            rows.append(self.block_table.row_of[req.request_id])
+                token_ids += req.all_token_ids[start:start + n]
+            starts.append(start)
+            lens.append(n)
+            rows.append(row_of[req.request_id])
+            sample_mask.append(s.samples)
             if s.samples:
                 sampled_reqs.append(req)
-            sample_mask.append(s.samples)
         starts_np, lens_np = np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
         qsl = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens_np, out=qsl[1:])

@@ -31,6 +31,8 @@ class OutputProcessor:
         stops = {}
         for req in reqs:
             tracked = self._tracked[req.request_id]
+            if tracked.detokenizer.defers_until_finished and not req.is_finished:
+                continue
             new_tokens = req.output_token_ids[tracked.num_detokenized:]
             tracked.num_detokenized = req.num_output_tokens
             stop = tracked.detokenizer.update(new_tokens, finished=req.is_finished)
@@ -40,8 +42,9 @@ class OutputProcessor:
 
     def make_outputs(self, reqs: list[Request], error: BaseException | None = None) -> list[RequestOutput]:
         outputs = []
+        final_only = RequestOutputKind.FINAL_ONLY
         for req in reqs:
-            if not req.is_finished and req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+            if req.sampling_params.output_kind is final_only and not req.is_finished:
                 continue
             outputs.append(self._make_output(req, error))
             if req.is_finished:

@@ -16,7 +16,7 @@ from pagednb.engine.request_queue import make_queue
 from pagednb.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: tokens all_token_ids[start:start + num_new_tokens]."""
 
@@ -25,11 +25,7 @@ class ScheduledRequest:
     num_new_tokens: int
     new_block_ids: list[int]
     is_new: bool  # first step since (re)admission: the runner starts its block table afresh
-    # Whether this step reaches the end of the known tokens, so its last logits give a new token.
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+    samples: bool  # this step reaches the end of the known tokens: its last logits give a new token
 
 
 @dataclass
@@ -86,12 +82,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        running = RequestStatus.RUNNING
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            budget -= self._schedule_running(req, budget, out)
+            if req.status is running:  # else it was preempted earlier in this loop
+                budget -= self._schedule_running(req, budget, out)
         if not out.preempted:  # no room was short this step: admit waiting requests
             budget = self._admit_waiting(budget, out)
         for s in out.scheduled:
@@ -101,13 +97,17 @@ class Scheduler:
 
     def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Schedules req's next tokens, preempting others if the pool is short. Returns tokens used."""
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        num_new = len(req.all_token_ids) - req.num_computed_tokens
+        if num_new > budget:
+            num_new = budget
         while (new_block_ids := self.kv.allocate_slots(req, num_new)) is None:
             victim = max(self.running, key=Request.sort_key) if self.policy == "priority" else self.running[-1]
             self._preempt(victim, out)
             if victim is req:
                 return 0
-        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, new_block_ids, False))
+        start = req.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(req, start, num_new, new_block_ids, False,
+                                              start + num_new == len(req.all_token_ids)))
         return num_new
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
@@ -124,7 +124,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, hit.num_tokens, num_new, new_block_ids, True))
+            out.scheduled.append(ScheduledRequest(req, hit.num_tokens, num_new, new_block_ids, True,
+                                                  hit.num_tokens + num_new == req.num_tokens))
             budget -= num_new
         return budget
 
@@ -158,7 +159,9 @@ class Scheduler:
             if not s.samples:
                 continue
             req = s.request
-            req.append_output_token(next(tokens))
+            token = next(tokens)
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req)
@@ -171,13 +174,14 @@ class Scheduler:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token = req.output_token_ids[-1]
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
