@@ -39,15 +39,16 @@ def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, 
                  max_num_seqs: int) -> PoolPlan:
     block_size = config.block_size
     needed = blocks_for_one_request(max_model_len, block_size, runner.spec.sliding_window, max_num_batched_tokens)
+    # More blocks than max_num_seqs full-length requests can ever use would only cost memory.
+    useful = max_num_seqs * needed
     if config.num_kv_blocks is not None:
         num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
     elif runner.device.type == "cuda":
-        num_blocks, source = _blocks_from_gpu_profile(config, runner, max_model_len, max_num_batched_tokens), \
-            f"gpu_memory_utilization={config.gpu_memory_utilization}"
+        num_blocks = min(_blocks_from_gpu_profile(config, runner, max_model_len, max_num_batched_tokens), useful)
+        source = f"gpu_memory_utilization={config.gpu_memory_utilization}"
     else:
         budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-        # More blocks than max_num_seqs full-length requests can ever use would only cost memory.
-        num_blocks = min(budget // runner.block_bytes(), max_num_seqs * needed)
+        num_blocks = min(budget // runner.block_bytes(), useful)
         source = f"kv_cache_memory={budget / GiB:.2f} GiB"
     plan = PoolPlan(int(num_blocks), block_size, max_model_len, needed, source)
     _refuse_if_too_small(plan, runner)
