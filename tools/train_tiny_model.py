@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=360, help="stop early past this training time")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args()
 
@@ -130,9 +131,13 @@ def train(model, stream: torch.Tensor, args) -> list[tuple[int, float]]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 100 == 0 or step == args.steps - 1:
+        out_of_time = time.perf_counter() - t0 > args.max_seconds
+        if step % 100 == 0 or step == args.steps - 1 or out_of_time:
             history.append((step, round(loss.item(), 4)))
             print(f"step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - t0:.0f}s", flush=True)
+        if out_of_time:
+            print(f"stopping at step {step}: past --max-seconds {args.max_seconds}", flush=True)
+            break
     return history
 
 
@@ -197,7 +202,7 @@ def main() -> None:
         "architecture": f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
                         f"({args.kv_heads} kv), vocab {len(tokenizer)}, tied embeddings, stored in bfloat16",
         "corpus": f"{len(texts):,} conversations, {sum(map(len, texts)):,} characters, {stream.numel():,} tokens",
-        "training": f"{args.steps} steps x {args.batch} x {args.seq_len} tokens, AdamW lr {args.lr}, seed {args.seed}",
+        "training": f"{history[-1][0] + 1} steps x {args.batch} x {args.seq_len} tokens, AdamW lr {args.lr}, seed {args.seed}",
         "final loss": history[-1][1],
         "loss curve (step, loss)": " ".join(f"{s}:{l}" for s, l in history[::5] + history[-1:]),
         "training time": f"{train_seconds:.0f} s",
