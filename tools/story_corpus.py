@@ -17,10 +17,10 @@ ANIMALS = {  # animal: (sound, food, home)
     "fox": ("yip", "berries", "a den in the forest"), "bear": ("growl", "honey", "a cave in the mountains"),
     "mouse": ("squeak", "cheese", "a tiny hole in the wall"), "horse": ("neigh", "hay", "a red barn"),
     "duck": ("quack", "bread", "a pond near the farm"), "owl": ("hoot", "mice", "a hollow in an old oak"),
-    "frog": ("croak", "flies", "a lily pad on the lake"), "lion": ("roar", "meat", "the warm savanna"),
-    "pig": ("oink", "apples", "a muddy farm"), "cow": ("moo", "grass", "a green meadow"),
-    "goat": ("baa", "leaves", "a rocky hill"), "turtle": ("hiss", "lettuce", "a quiet beach"),
-    "squirrel": ("chatter", "nuts", "a high branch"), "penguin": ("squawk", "fish", "the icy south"),
+    "frog": ("croak", "flies", "a pond by the lake"), "lion": ("roar", "meat", "the warm savanna"),
+    "pig": ("oink", "apples", "a muddy pen on a farm"), "cow": ("moo", "grass", "a green meadow"),
+    "goat": ("baa", "leaves", "a barn on a rocky hill"), "turtle": ("hiss", "lettuce", "a quiet beach"),
+    "squirrel": ("chatter", "nuts", "a hole in a tall tree"), "penguin": ("squawk", "fish", "the icy south"),
     "elephant": ("trumpet", "peanuts", "the wide grasslands"), "monkey": ("ooh", "bananas", "the jungle"),
 }
 HE = ["Tom", "Max", "Sam", "Leo", "Milo", "Oscar", "Charlie", "Jack", "Oliver", "Ben", "Finn", "Toby", "Jasper",
@@ -42,6 +42,11 @@ ASKS = ["Tell me a story about a {a} named {n}.", "Tell me a story about a {a} c
         "Tell me a story about {n} the {a}."]
 
 
+def a(word: str) -> str:
+    """The word with its indefinite article: "a dog", "an owl"."""
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
 def story(rng: random.Random, animal: str, name: str) -> str:
     sound, food, home = ANIMALS[animal]
     he = "He" if name in HE else "She"
@@ -50,20 +55,20 @@ def story(rng: random.Random, animal: str, name: str) -> str:
     friend = rng.choice([f for f in FRIENDS if f != animal])
     friend_name = rng.choice([n for n in HE + SHE if n != name and (friend, n) not in HELD_OUT])
     opening = rng.choice([
-        f"Once upon a time, there was a {adj} {animal} named {name}.",
-        f"There once was a {adj} {animal} called {name}.",
-        f"Long ago, in {home}, lived a {adj} {animal} named {name}.",
-        f"{name} was a {adj} {animal}.",
+        f"Once upon a time, there was {a(adj)} {animal} named {name}.",
+        f"There once was {a(adj)} {animal} called {name}.",
+        f"Long ago, in {home}, lived {a(adj)} {animal} named {name}.",
+        f"{name} was {a(adj)} {animal}.",
     ])
     middle = [
         rng.choice([f"{name} lived in {home}.", f"{he} lived in {home} with {his} family.",
                     f"Every day, {name} liked to eat {food}."]),
-        rng.choice([f"One day, {name} went to {place} and found a {color} {thing}.",
+        rng.choice([f"One day, {name} went to {place} and found {a(color)} {thing}.",
                     f"One morning, {name} walked to {place} to look for {food}.",
-                    f"One sunny day, {name} saw a {color} {thing} near {place}."]),
-        rng.choice([f"There {name} met a {friend} named {friend_name}.",
-                    f"{he} said \"{sound}!\" and a {friend} named {friend_name} came to see.",
-                    f"A {friend} named {friend_name} asked, \"Can I play too?\""]),
+                    f"One sunny day, {name} saw {a(color)} {thing} near {place}."]),
+        rng.choice([f"There {name} met {a(friend)} named {friend_name}.",
+                    f"{he} said \"{sound}!\" and {a(friend)} named {friend_name} came to see.",
+                    f"{a(friend).capitalize()} named {friend_name} asked, \"Can I play too?\""]),
         rng.choice([f"{name} and {friend_name} played together all afternoon.",
                     f"They shared the {thing} and laughed.",
                     f"{friend_name} helped {name} carry the {thing} home."]),
@@ -85,7 +90,8 @@ def story_turn(rng: random.Random) -> tuple[str, str]:
         animal, name = rng.choice(list(ANIMALS)), rng.choice(HE + SHE)
         if (animal, name) not in HELD_OUT:
             break
-    ask = rng.choice(ASKS).format(a=animal, n=name, adj=rng.choice(ADJECTIVES))
+    ask = rng.choice(ASKS).format(a=animal, n=name, adj=rng.choice(ADJECTIVES)).replace("a elephant", "an elephant") \
+        .replace("a owl", "an owl")
     return ask, story(rng, animal, name)
 
 
@@ -97,11 +103,11 @@ def question_turn(rng: random.Random) -> tuple[str, str]:
     animal = rng.choice(list(ANIMALS))
     sound, food, home = ANIMALS[animal]
     if kind == 1:
-        return f"What sound does a {animal} make?", f"A {animal} says \"{sound}\"."
+        return f"What sound does {a(animal)} make?", f"{a(animal).capitalize()} says \"{sound}\"."
     if kind == 2:
-        return f"What does a {animal} like to eat?", f"A {animal} likes to eat {food}."
+        return f"What does {a(animal)} like to eat?", f"{a(animal).capitalize()} likes to eat {food}."
     if kind == 3:
-        return f"Where does a {animal} live?", f"A {animal} can live in {home}."
+        return f"Where does {a(animal)} live?", f"{a(animal).capitalize()} can live in {home}."
     return rng.choice([("Hello!", "Hello! Would you like to hear a story?"),
                        ("Hi", "Hi! I can tell you a story about an animal."),
                        ("Who are you?", "I am a tiny model made by pagednb. I like to tell short stories."),
