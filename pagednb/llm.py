@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from pagednb.config import EngineConfig
 from pagednb.engine.llm_engine import LLMEngine
@@ -9,12 +10,14 @@ from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | Sequence[int] | dict
+# A tiny story-telling Llama trained by tools/train_tiny_model.py, shipped so everything runs offline.
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
 
 class LLM:
     """A model with its paged KV cache, ready to generate.
 
-    >>> llm = LLM("path/or/hub-id")
+    >>> llm = LLM()  # the embedded tiny model; or LLM("path/or/hub-id")
     >>> llm.generate("Tell me a story.", SamplingParams(max_tokens=64))[0].outputs[0].text
     """
 
@@ -24,10 +27,8 @@ class LLM:
                  num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  trust_remote_code: bool = False, revision: str | None = None, tokenizer: str | None = None):
-        if model is None:
-            raise ValueError("model is required: a local model folder or a hub id")
         self.engine = LLMEngine(EngineConfig(
-            model=str(model), dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
+            model=str(model if model is not None else DEFAULT_MODEL), dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             scheduling_policy=scheduling_policy, seed=seed, kv_cache_memory=kv_cache_memory,
