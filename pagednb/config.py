@@ -32,6 +32,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     revision: str | None = None
     tokenizer: str | None = None
+    attention_backend: str = "auto"
 
     def validate(self) -> None:
         """Raises ValueError naming the field and its limit; called before anything heavy is loaded."""

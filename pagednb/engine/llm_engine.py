@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagednb.attention import TorchReferenceBackend
+from pagednb.attention.selector import select_attention_backend
 from pagednb.config import EngineConfig
 from pagednb.engine.block_pool import BlockPool
 from pagednb.engine.kv_cache_manager import KVCacheManager
@@ -47,9 +47,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         t0 = time.perf_counter()
-        model = load_model(self.model_path, hf_config, self.dtype, self.device, TorchReferenceBackend())
-        logger.info("Loaded %s (%s) on %s in %.1f s", self.model_path.name, self.spec.architecture,
-                    self.device, time.perf_counter() - t0)
+        self.attention_backend = select_attention_backend(self.device, config.attention_backend)
+        model = load_model(self.model_path, hf_config, self.dtype, self.device, self.attention_backend)
+        logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
+                    self.spec.architecture, self.device, time.perf_counter() - t0, self.attention_backend.name)
         self.runner = ModelRunner(model, self.device, self.dtype, config.block_size, config.max_num_seqs,
                                   self.max_model_len, sorted(self.eos_token_ids), self.generator)
         self.pool_plan = plan_kv_pool(config, self.runner, self.max_model_len, self.max_num_batched_tokens,
