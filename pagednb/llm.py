@@ -5,9 +5,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagednb.config import EngineConfig
+from pagednb.engine.driver import EngineDriver
 from pagednb.engine.llm_engine import LLMEngine
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
+from pagednb.streams import RequestStream
 
 PromptType = str | Sequence[int] | dict
 # A tiny story-telling Llama trained by tools/train_tiny_model.py, shipped so everything runs offline.
@@ -35,6 +37,7 @@ class LLM:
             scheduling_policy=scheduling_policy, seed=seed, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
             revision=revision, tokenizer=tokenizer, attention_backend=attention_backend))
+        self.driver = EngineDriver(self.engine)
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -48,15 +51,12 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _broadcast("sampling_params", sampling_params or SamplingParams(), len(prompts))
         priorities = _broadcast("priority", list(priority) if priority is not None else 0, len(prompts))
-        engine = self.engine
         requests = []
         for prompt, p, prio in zip(prompts, params, priorities):
             p = p.clone()
             p.output_kind = RequestOutputKind.FINAL_ONLY  # nobody watches intermediate outputs here
-            requests.append(engine.make_request(None, prompt, p, prio))
-        for req in requests:
-            engine.enqueue(req)
-        return self._run_to_completion([req.request_id for req in requests], use_tqdm)
+            requests.append(self.engine.make_request(None, prompt, p, prio))
+        return self._run_to_completion(requests, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -70,19 +70,25 @@ class LLM:
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_to_completion(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Steps the engine on this thread until these requests finish. Background streams keep
+        receiving their outputs meanwhile (every step goes through the driver)."""
         finals: dict[str, RequestOutput] = {}
-        wanted = set(request_ids)
-        bar = _progress_bar(len(request_ids), use_tqdm)
+        bar = _progress_bar(len(requests), use_tqdm)
+
+        def collect(out: RequestOutput) -> None:
+            if out.finished:
+                finals[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+
+        ids = [req.request_id for req in requests]
         try:
-            while len(finals) < len(request_ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        finals[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-        except BaseException:
-            self._abort_and_drain([r for r in request_ids if r not in finals])
+            for req in requests:
+                self.driver.submit(req, collect)
+            self.driver.run_until(lambda: len(finals) == len(ids))
+        except BaseException:  # KeyboardInterrupt included: abort what is ours, keep the engine usable
+            self._abort_unfinished([r for r in ids if r not in finals])
             raise
         finally:
             if bar is not None:
@@ -90,14 +96,41 @@ class LLM:
         errors = [out.error for out in finals.values() if out.error is not None]
         if errors:
             raise errors[0]
-        return [finals[r] for r in request_ids]
+        return [finals[r] for r in ids]
 
-    def _abort_and_drain(self, request_ids: list[str]) -> None:
-        """Aborts the given requests and runs the step that applies the abort (blocks come back)."""
-        if not request_ids or self.engine.closed:
+    def _abort_unfinished(self, request_ids: list[str]) -> None:
+        """Aborts the given requests and runs the step that applies it (their blocks come back)."""
+        if not request_ids or self.engine.closed or self.driver.dead is not None:
             return
-        self.engine.abort_request(request_ids)
-        self.engine._apply_aborts()
+        self.driver.abort(request_ids)
+        self.driver.step()
+
+    # ---- async ---------------------------------------------------------------------------------
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+               request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """`async for out in llm.stream(prompt)`: outputs as tokens arrive (`.outputs[0].text` so far,
+        `.outputs[0].delta` the new piece). Needs a running event loop (any notebook cell has one); the
+        engine loop then runs as a background task on it, shared by every stream."""
+        self.driver.ensure_background_loop()
+        req = self.engine.make_request(request_id, prompt, sampling_params, priority)
+        stream = RequestStream(self.driver, req.request_id)
+        self.driver.submit(req, stream.sink)
+        return stream
+
+    async def agenerate(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+                        request_id: str | None = None, priority: int = 0) -> RequestOutput:
+        """`await llm.agenerate(prompt)`: the final output, while the loop stays free for other work."""
+        params = (sampling_params or SamplingParams()).clone()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        final = None
+        async for out in self.stream(prompt, params, request_id=request_id, priority=priority):
+            final = out
+        return final
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request from anywhere (a widget callback on another thread too); its stream ends
+        with finish_reason "abort" at the next step boundary and its blocks return to the pool."""
+        self.driver.abort(request_id)
 
     # ---- engine state ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -108,7 +141,8 @@ class LLM:
         return self.engine.tokenizer
 
     def close(self) -> None:
-        self.engine.close()
+        """Stops the engine loop, aborts every request, and frees the model and KV cache memory."""
+        self.driver.close()
 
     def __enter__(self) -> "LLM":
         return self

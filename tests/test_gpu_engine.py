@@ -51,3 +51,22 @@ def test_auto_dtype_is_bfloat16_and_the_pool_is_sized_by_profiling(tiny_model_di
 def test_refuses_to_start_when_one_request_cannot_fit(tiny_model_dir):
     with pytest.raises(ValueError, match="max_model_len=512 needs 32 blocks"):
         LLM(str(tiny_model_dir("llama")), gpu_memory_utilization=1e-7)
+
+
+def test_close_gives_the_model_and_kv_pool_memory_back(tiny_model_dir):
+    import asyncio
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=4096)
+    held = torch.cuda.memory_allocated() - before
+    assert held > 4096 * llm.engine.runner.block_bytes() * 0.99  # the pool really is on the GPU
+
+    async def stream_then_close():
+        stream = llm.stream("The cat", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        llm.close()  # mid-stream
+        return [out async for out in stream]
+    rest = asyncio.run(stream_then_close())
+    assert rest[-1].outputs[0].finish_reason == "abort"
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 1 * 2**20  # everything given back but crumbs

@@ -1,4 +1,10 @@
-"""Which attention backend the engine uses on a device."""
+"""Which attention backend the engine uses on a device.
+
+"auto": on a CUDA device, pagednb's own kernels (compiled on first use, cached on disk); when they
+cannot be built (no nvcc, a failed build) the pure-torch reference, with one warning saying why. On a
+CPU, the reference. "torch_ref" forces the reference anywhere; "cuda" forces the kernels and raises
+if they are unavailable.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,11 +12,26 @@ import torch
 from pagednb.attention.backend import AttentionBackend
 from pagednb.attention.torch_ref import TorchReferenceBackend
 
-BACKENDS = ("auto", "torch_ref")
+BACKENDS = ("auto", "torch_ref", "cuda")
 
 
 def select_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
     """"auto": the fastest backend that works on `device`; a name forces that backend."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    return TorchReferenceBackend()
+    device = torch.device(device)
+    if name == "torch_ref" or (name == "auto" and device.type != "cuda"):
+        return TorchReferenceBackend()
+    if name == "cuda" and device.type != "cuda":
+        raise RuntimeError(f"attention_backend='cuda' needs a CUDA device; the engine runs on {device}")
+    from pagednb.attention.jit import load_error, load_kernels
+
+    lib = load_kernels()  # None (after one warning saying why) when the kernels cannot be built here
+    if lib is None:
+        if name == "cuda":
+            raise RuntimeError(f"attention_backend='cuda' was requested but pagednb's CUDA kernels are "
+                               f"unavailable: {load_error()}")
+        return TorchReferenceBackend()
+    from pagednb.attention.cuda_backend import CudaPagedBackend
+
+    return CudaPagedBackend(lib)

@@ -63,10 +63,8 @@ class KVCacheManager:
         """
         state = self._reqs.get(req.request_id)
         if hit is None and state is not None and self.sliding_window is None:
-            total_tokens = req.num_computed_tokens + num_new_tokens
-            if total_tokens <= len(state.blocks) * self.block_size and (
-                    not self.caching or total_tokens < (state.num_cached + 1) * self.block_size):
-                return []  # the common decode step: room in the last block, no block fills up
+            if req.num_computed_tokens + num_new_tokens <= len(state.blocks) * self.block_size:
+                return []  # the common decode step: room in the last block
         if state is None:
             state = self._reqs[req.request_id] = _RequestBlocks()
         hit_blocks = hit.blocks if hit else []
@@ -85,8 +83,20 @@ class KVCacheManager:
         state.blocks.extend(new_blocks)
         if hit_blocks:
             state.num_cached = len(hit_blocks)
-        self._cache_full_blocks(req, state, total_tokens)
         return [block.block_id for block in new_blocks]
+
+    def commit_computed(self, req: Request) -> None:
+        """Registers the request's blocks that are now full of computed K/V in the prefix cache.
+
+        Called after the model ran, never at scheduling time: a step that is interrupted (an
+        exception, a KeyboardInterrupt) must not leave blocks in the cache whose K/V was never
+        written.
+        """
+        if not self.caching:
+            return
+        state = self._reqs.get(req.request_id)
+        if state is not None and req.num_computed_tokens >= (state.num_cached + 1) * self.block_size:
+            self._cache_full_blocks(req, state, req.num_computed_tokens)
 
     def free(self, req: Request) -> None:
         """Gives back the request's blocks, last block first (see BlockPool.free)."""
@@ -96,7 +106,8 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         state = self._reqs.get(request_id)
-        return [] if state is None else [b.block_id if b is not None else -1 for b in state.blocks]
+        # A block released by a sliding window maps to 0: attention never reads it (out of window).
+        return [] if state is None else [b.block_id if b is not None else 0 for b in state.blocks]
 
     def num_blocks_held(self, request_id: str) -> int:
         state = self._reqs.get(request_id)
@@ -123,9 +134,6 @@ class KVCacheManager:
                 state.blocks[i] = None
 
     def _cache_full_blocks(self, req: Request, state: _RequestBlocks, num_tokens: int) -> None:
-        """Registers blocks that this step fills (their tokens are known; the K/V lands this step)."""
-        if not self.caching:
-            return
         num_full = min(num_tokens, req.num_tokens) // self.block_size
         if num_full <= state.num_cached:
             return

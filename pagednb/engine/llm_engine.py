@@ -7,6 +7,7 @@ any thread and takes effect at the next step boundary.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -125,11 +126,16 @@ class LLMEngine:
         try:
             token_ids, sampler_output = self.runner.execute(sched)
         except Exception as error:  # the step's requests end with "error"; the engine stays usable
-            logger.exception("Model step failed; its %d requests end with finish_reason 'error'", len(sched.scheduled))
+            logger.exception("Model step failed; its %d requests end with finish_reason 'error'. The engine can "
+                             "continue: other requests are unaffected", len(sched.scheduled))
+            self.scheduler.rollback(sched)
             failed = self.scheduler.finish_requests([s.request.request_id for s in sched.scheduled],
                                                     RequestStatus.FINISHED_ERROR)
             self.output_processor.detokenize(aborted + failed)
             return self.output_processor.make_outputs(aborted) + self.output_processor.make_outputs(failed, error)
+        except BaseException:  # KeyboardInterrupt mid-step: as if the step never ran; the caller decides
+            self.scheduler.rollback(sched)
+            raise
         progressed = self.scheduler.update_from_output(sched, token_ids)
         if sampler_output is not None and sampler_output.logprobs is not None:
             _record_logprobs(progressed, sampler_output)
@@ -174,6 +180,7 @@ class LLMEngine:
         self.runner.release_kv_cache()
         self.runner.model = None
         self.closed = True
+        gc.collect()  # the model's modules may sit in reference cycles
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

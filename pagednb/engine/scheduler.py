@@ -54,6 +54,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._released: list[str] = []
+        # Requests whose block-table row the runner may have lost (an interrupted step): their next
+        # scheduling sends the whole block list again.
+        self._resync: set[str] = set()
 
     # ---- request lifecycle -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -106,7 +109,11 @@ class Scheduler:
             if victim is req:
                 return 0
         start = req.num_computed_tokens
-        out.scheduled.append(ScheduledRequest(req, start, num_new, new_block_ids, False,
+        is_new = False
+        if self._resync and req.request_id in self._resync:
+            self._resync.discard(req.request_id)
+            is_new, new_block_ids = True, self.kv.block_ids(req.request_id)
+        out.scheduled.append(ScheduledRequest(req, start, num_new, new_block_ids, is_new,
                                               start + num_new == len(req.all_token_ids)))
         return num_new
 
@@ -145,6 +152,12 @@ class Scheduler:
         self._released.append(victim.request_id)
         out.preempted.append(victim)
 
+    def rollback(self, out: SchedulerOutput) -> None:
+        """Undoes a step whose model run never finished: its tokens count as not computed."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.start
+            self._resync.add(s.request.request_id)
+
     # ---- after the model ran ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         """Appends each sampling request's new token and applies token-level stops.
@@ -155,10 +168,12 @@ class Scheduler:
         now = time.monotonic()
         progressed = []
         tokens = iter(sampled_token_ids)
+        commit = self.kv.commit_computed
         for s in out.scheduled:
+            req = s.request
+            commit(req)
             if not s.samples:
                 continue
-            req = s.request
             token = next(tokens)
             req.output_token_ids.append(token)
             req.all_token_ids.append(token)

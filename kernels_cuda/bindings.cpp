@@ -1,0 +1,100 @@
+// The one binding file: a small C ABI over the launchers, called from Python through ctypes
+// (pagednb/attention/cuda_backend.py). It includes no torch header, so it compiles in about a second;
+// Python passes data pointers, strides and the current CUDA stream, and this layer checks the
+// configuration (dtype, head_dim, block size, head counts) before anything is launched.
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <stdint.h>
+
+#include "launchers.h"
+
+using pagednb::AttnParams;
+
+namespace {
+
+bool supported_head_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
+
+int check_params(int dtype, int head_dim, const AttnParams* p) {
+  if (p == nullptr || dtype < 0 || dtype > 2 || !supported_head_dim(head_dim)) return -1;
+  if (p->Hkv <= 0 || p->G <= 0 || p->H != p->Hkv * p->G) return -1;
+  if (p->bs_log2 < 0 || p->bs_log2 > 12 || p->num_seqs <= 0) return -1;
+  return 0;
+}
+
+int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
+
+int occupancy(int dtype, int head_dim, int gmax) {  // cached: one query per configuration
+  static std::mutex mu;
+  static int cache[3][5][4] = {};
+  const int di = head_dim == 16 ? 0 : head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : 4;
+  const int gi = gmax == 1 ? 0 : gmax == 2 ? 1 : gmax == 4 ? 2 : 3;
+  std::lock_guard<std::mutex> lock(mu);
+  int& n = cache[dtype][di][gi];
+  if (n == 0) {
+    n = dtype == pagednb::kFloat32   ? pagednb::occupancy_row_f32(head_dim, gmax)
+        : dtype == pagednb::kFloat16 ? pagednb::occupancy_row_f16(head_dim, gmax)
+                                     : pagednb::occupancy_row_bf16(head_dim, gmax);
+    if (n <= 0) n = 1;
+  }
+  return n;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Split-K plan for the row kernel: rows = query rows it serves, range_max = the most tokens a row
+// attends to. Aims at >= 2 waves of CTAs across the SMs, partitions of >= 256 tokens.
+int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int range_max, int num_sms,
+                     int* P, int* part_size, int* head_groups) {
+  if (dtype < 0 || dtype > 2 || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;
+  const int gmax = gmax_for(G);
+  *head_groups = (G + gmax - 1) / gmax;
+  range_max = range_max < 1 ? 1 : range_max;
+  const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * Hkv * *head_groups;
+  const int64_t want = 2LL * occupancy(dtype, head_dim, gmax) * (num_sms < 1 ? 1 : num_sms);
+  int64_t parts = base >= want ? 1 : (want + base - 1) / base;
+  const int64_t max_parts = (range_max + 255) / 256;
+  if (parts > max_parts) parts = max_parts;
+  if (parts > 1024) parts = 1024;
+  if (parts < 1) parts = 1;
+  int size = (int)((range_max + parts - 1) / parts);
+  size = (size + 63) / 64 * 64;
+  *part_size = size;
+  *P = (range_max + size - 1) / size;
+  return 0;
+}
+
+int pagednb_row_attention(int dtype, int head_dim, const AttnParams* p, void* stream) {
+  if (check_params(dtype, head_dim, p) != 0 || p->P < 1 || p->part_size < 1 || p->head_groups < 1) return -1;
+  if (p->num_rows <= 0) return 0;
+  switch (dtype) {
+    case pagednb::kFloat32: return pagednb::launch_row_f32(head_dim, *p, stream);
+    case pagednb::kFloat16: return pagednb::launch_row_f16(head_dim, *p, stream);
+    default: return pagednb::launch_row_bf16(head_dim, *p, stream);
+  }
+}
+
+int pagednb_prefill_attention(int dtype, int head_dim, const AttnParams* p, void* stream) {
+  if (check_params(dtype, head_dim, p) != 0 || dtype == pagednb::kFloat32) return -1;
+  return dtype == pagednb::kFloat16 ? pagednb::launch_prefill_f16(head_dim, *p, stream)
+                                    : pagednb::launch_prefill_bf16(head_dim, *p, stream);
+}
+
+int pagednb_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
+                     void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,
+                     int64_t row_bytes, void* stream) {
+  if (row_bytes <= 0 || row_bytes % 2 != 0) return -1;
+  return pagednb::launch_write_kv(key, value, k_stride_tok, v_stride_tok, cache, v_offset_bytes, slots,
+                                  num_tokens, row_bytes, stream);
+}
+
+int pagednb_params_size() { return (int)sizeof(AttnParams); }
+
+const char* pagednb_error_string(int code) {
+  if (code == -1) return "unsupported configuration";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // extern "C"

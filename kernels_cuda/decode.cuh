@@ -1,0 +1,302 @@
+// Paged attention on CUDA cores, one query row per CTA: decode rows (bf16/fp16/fp32) and every row in
+// float32 (the test path). One CTA per (query row, kv head [x head group], split-K partition).
+//
+// GQA: a CTA holds the GMAX query heads of one kv head in registers and reads each K/V row once.
+// Layout: a K (or V) row of one token is D contiguous elements; a warp's lanes are split into
+// "slots" of TPR lanes, each slot reading one token row with 16-byte loads (TPR * 16 B = the row).
+// Every slot runs its own online softmax over the tokens it visits (U tokens per step, loads issued
+// together), so the main loop needs no shared memory and no barrier; slots are merged at the end
+// (shuffles inside a warp, shared memory across warps). Scores are kept in log2 units (q is
+// pre-scaled by scale * log2 e) and exponentiated with ex2.approx.
+// With P > 1 partitions, each CTA writes an unnormalised partial (o, m, l) and row_reduce_kernel
+// merges them.
+#pragma once
+
+#include "common.cuh"
+#include "launchers.h"
+
+namespace pagednb {
+
+constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima: no inf - inf
+
+template <typename T, int D, int GMAX>
+struct RowCfg {
+  static constexpr int VEC = Elem<T>::kVec;                       // elements per 16 B
+  static constexpr int TPR = (D / VEC) < 32 ? (D / VEC) : 32;     // lanes per token row
+  static constexpr int NV = D / (VEC * TPR);                      // 16 B vectors per lane per row
+  static constexpr int TPW = 32 / TPR;                            // token slots per warp
+  static constexpr int NW = 4;
+  static constexpr int NT = 32 * NW;
+  static constexpr int SLOTS = NW * TPW;
+  static constexpr int U = GMAX >= 8 ? 2 : 4;                     // tokens per slot per step
+  static constexpr int STEP = SLOTS * U;
+  static_assert(D % (VEC * TPR) == 0, "head_dim");
+};
+
+template <typename T, int D, int GMAX>
+__global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
+  using C = RowCfg<T, D, GMAX>;
+  constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U;
+
+  const int row = blockIdx.x;
+  const int s = find_seq(p.qsl, p.num_seqs, row);
+  if (s < 0) return;
+  const int qs = __ldg(p.qsl + s);
+  const int qlen = __ldg(p.qsl + s + 1) - qs;
+  if (p.decode_only && qlen != 1) return;
+  const int seq_len = __ldg(p.seq_lens + s);
+  const int pos = seq_len - qlen + (row - qs);
+  const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
+  const int hi = pos + 1;
+  const int t_begin = lo + blockIdx.z * p.part_size;
+  const int t_end = min(hi, t_begin + p.part_size);
+
+  const int kvh = blockIdx.y / p.head_groups;
+  const int g0 = (blockIdx.y % p.head_groups) * GMAX;
+  const int ng = min(GMAX, p.G - g0);
+  const int h0 = kvh * p.G + g0;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane % TPR;
+  const int slot = warp * TPW + lane / TPR;
+
+  // query heads of this CTA in registers, pre-scaled into log2 units
+  float qf[GMAX][NV][VEC];
+  const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      if (g < ng) {
+        uint4 raw = ldg16(qrow + (int64_t)(h0 + g) * p.q_stride_head + (v * TPR + sub) * VEC);
+        Elem<T>::unpack(raw, qf[g][v]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) qf[g][v][e] *= p.scale_log2;
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) qf[g][v][e] = 0.f;
+      }
+    }
+  }
+
+  float m[GMAX], l[GMAX], acc[GMAX][NV][VEC];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = kNegBig; l[g] = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.f;
+  }
+
+  const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
+  const int64_t row_elems = (int64_t)p.Hkv * D;
+  const T* kbase = reinterpret_cast<const T*>(p.cache) + (int64_t)kvh * D + sub * VEC;
+  const int bs_mask = (1 << p.bs_log2) - 1;
+
+  for (int t0 = t_begin; t0 < t_end; t0 += C::STEP) {
+    uint4 kr[U][NV], vr[U][NV];
+    bool valid[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u * C::SLOTS + slot;
+      valid[u] = t < t_end;
+      const int tc = valid[u] ? t : t_end - 1;  // a real token of this partition: never garbage
+      const int blk = __ldg(bt + (tc >> p.bs_log2));
+      const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        kr[u][v] = ldg16(kp + v * TPR * VEC);
+        vr[u][v] = ldg16(kp + p.v_offset + v * TPR * VEC);
+      }
+    }
+    float sc[U][GMAX];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[NV][VEC];
+#pragma unroll
+      for (int v = 0; v < NV; ++v) Elem<T>::unpack(kr[u][v], kf[v]);
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int v = 0; v < NV; ++v)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) d = fmaf(qf[g][v][e], kf[v][e], d);
+#pragma unroll
+        for (int o = TPR / 2; o >= 1; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        sc[u][g] = valid[u] ? d : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u][g]);
+      const float alpha = fast_exp2(m[g] - mx);
+      m[g] = mx;
+      float lsum = l[g] * alpha;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        sc[u][g] = fast_exp2(sc[u][g] - mx);
+        lsum += sc[u][g];
+      }
+      l[g] = lsum;
+#pragma unroll
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][v][e] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        float vf[VEC];
+        Elem<T>::unpack(vr[u][v], vf);
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][v][e] = fmaf(sc[u][g], vf[e], acc[g][v][e]);
+      }
+    }
+  }
+
+  // merge the slots of a warp (lanes that differ in the bits above TPR)
+#pragma unroll
+  for (int off = TPR; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float lo_ = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float mn = fmaxf(m[g], mo);
+      const float a = fast_exp2(m[g] - mn), b = fast_exp2(mo - mn);
+      l[g] = l[g] * a + lo_ * b;
+      m[g] = mn;
+#pragma unroll
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float ao = __shfl_xor_sync(0xffffffffu, acc[g][v][e], off);
+          acc[g][v][e] = acc[g][v][e] * a + ao * b;
+        }
+    }
+  }
+
+  // merge the warps through shared memory
+  __shared__ float s_acc[NW][GMAX][D];
+  __shared__ float s_m[NW][GMAX], s_l[NW][GMAX];
+  if (lane < TPR) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) s_acc[warp][g][(v * TPR + sub) * VEC + e] = acc[g][v][e];
+      if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < ng * D; idx += C::NT) {
+    const int g = idx / D, d = idx % D;
+    float M = s_m[0][g];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) M = fmaxf(M, s_m[w][g]);
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = fast_exp2(s_m[w][g] - M);
+      L += s_l[w][g] * f;
+      O += s_acc[w][g][d] * f;
+    }
+    const int h = h0 + g;
+    if (p.P == 1) {
+      T* o = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
+      o[d] = Elem<T>::from_float(O / L);
+    } else {
+      const int64_t pi = ((int64_t)row * p.H + h) * p.P + blockIdx.z;
+      p.part_o[pi * D + d] = O;
+      if (d == 0) { p.part_ml[2 * pi] = M; p.part_ml[2 * pi + 1] = L; }
+    }
+  }
+}
+
+// Merges the P partials of each (row, head): one thread per output element of the head.
+template <typename T>
+__global__ void row_reduce_kernel(const AttnParams p, int D) {
+  const int row = blockIdx.x, h = blockIdx.y;
+  const int s = find_seq(p.qsl, p.num_seqs, row);
+  if (s < 0) return;
+  if (p.decode_only && __ldg(p.qsl + s + 1) - __ldg(p.qsl + s) != 1) return;
+  const int64_t base = ((int64_t)row * p.H + h) * p.P;
+  const float* ml = p.part_ml + 2 * base;
+  float M = kNegBig;
+  for (int j = 0; j < p.P; ++j) M = fmaxf(M, ml[2 * j]);
+  float L = 0.f, O = 0.f;
+  const int d = threadIdx.x;
+  for (int j = 0; j < p.P; ++j) {
+    const float f = fast_exp2(ml[2 * j] - M);
+    L += ml[2 * j + 1] * f;
+    O += p.part_o[(base + j) * D + d] * f;
+  }
+  T* o = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
+  o[d] = Elem<T>::from_float(O / L);
+}
+
+template <typename T, int D, int GMAX>
+int launch_row_t(const AttnParams& p, cudaStream_t st) {
+  const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
+  row_attn_kernel<T, D, GMAX><<<grid, RowCfg<T, D, GMAX>::NT, 0, st>>>(p);
+  if (p.P > 1) row_reduce_kernel<T><<<dim3(p.num_rows, p.H), D, 0, st>>>(p, D);
+  return (int)cudaGetLastError();
+}
+
+template <typename T, int D, int GMAX>
+int occupancy_t() {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, D, GMAX>, 128, 0) != cudaSuccess)
+    return 1;
+  return n;
+}
+
+inline int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
+
+// One dtype's dispatch over head_dim and GMAX (instantiated once per dtype file).
+#define PAGEDNB_ROW_DISPATCH_D(T, D)                                                    \
+  switch (gmax_for(p.G)) {                                                              \
+    case 1: return launch_row_t<T, D, 1>(p, st);                                        \
+    case 2: return launch_row_t<T, D, 2>(p, st);                                        \
+    case 4: return launch_row_t<T, D, 4>(p, st);                                        \
+    default: return launch_row_t<T, D, 8>(p, st);                                       \
+  }
+#define PAGEDNB_OCC_DISPATCH_D(T, D)                                                    \
+  switch (gmax) {                                                                       \
+    case 1: return occupancy_t<T, D, 1>();                                              \
+    case 2: return occupancy_t<T, D, 2>();                                              \
+    case 4: return occupancy_t<T, D, 4>();                                              \
+    default: return occupancy_t<T, D, 8>();                                             \
+  }
+
+template <typename T>
+int launch_row_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
+  switch (head_dim) {
+    case 16: PAGEDNB_ROW_DISPATCH_D(T, 16)
+    case 32: PAGEDNB_ROW_DISPATCH_D(T, 32)
+    case 64: PAGEDNB_ROW_DISPATCH_D(T, 64)
+    case 128: PAGEDNB_ROW_DISPATCH_D(T, 128)
+    case 256: PAGEDNB_ROW_DISPATCH_D(T, 256)
+    default: return -1;
+  }
+}
+template <typename T>
+int occupancy_dtype(int head_dim, int gmax) {
+  switch (head_dim) {
+    case 16: PAGEDNB_OCC_DISPATCH_D(T, 16)
+    case 32: PAGEDNB_OCC_DISPATCH_D(T, 32)
+    case 64: PAGEDNB_OCC_DISPATCH_D(T, 64)
+    case 128: PAGEDNB_OCC_DISPATCH_D(T, 128)
+    case 256: PAGEDNB_OCC_DISPATCH_D(T, 256)
+    default: return 1;
+  }
+}
+
+}  // namespace pagednb

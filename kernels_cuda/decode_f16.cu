@@ -1,0 +1,12 @@
+// Row (decode) attention kernels for one dtype: a build unit of its own, so ninja compiles the
+// dtypes in parallel. See decode.cuh.
+#include "decode.cuh"
+
+namespace pagednb {
+
+int launch_row_f16(int head_dim, const AttnParams& p, void* stream) {
+  return launch_row_dtype<__half>(head_dim, p, static_cast<cudaStream_t>(stream));
+}
+int occupancy_row_f16(int head_dim, int gmax) { return occupancy_dtype<__half>(head_dim, gmax); }
+
+}  // namespace pagednb

@@ -1,0 +1,54 @@
+// Host-side launchers of the kernels, shared by the .cu files and bindings.cpp.
+// Raw pointers and plain integers only: no torch or CUDA headers needed to include this.
+#pragma once
+
+#include <stdint.h>
+
+namespace pagednb {
+
+// dtype codes shared with cuda_backend.py
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Attention over the paged cache for a flattened ("varlen") batch. Element strides.
+struct AttnParams {
+  const void* q;             // [num_tokens, H, D]; q_stride_tok / q_stride_head in elements, last dim dense
+  int64_t q_stride_tok, q_stride_head;
+  const void* cache;         // [2, num_blocks, block_size, Hkv, D], dense
+  int64_t v_offset;          // elements between the K and V halves: num_blocks * block_size * Hkv * D
+  void* out;                 // [num_tokens, H, D], dense
+  float* part_o;             // split-K partials [num_tokens, H, P, D] (row kernel, P > 1)
+  float* part_ml;            // [num_tokens, H, P, 2]: running max (log2 units) and sum
+  const int* qsl;            // [num_seqs + 1]
+  const int* seq_lens;       // [num_seqs]
+  const int* block_tables;   // [num_seqs, bt_stride]
+  int bt_stride;
+  int num_seqs, num_rows;    // num_rows: rows of the row-kernel grid (num_tokens)
+  int H, Hkv, G;             // G = H / Hkv
+  int head_groups;           // row kernel: CTAs per kv head (ceil(G / GMAX))
+  int bs_log2;               // block size is 1 << bs_log2
+  int window;                // 0: none
+  int part_size, P;          // row kernel split-K: tokens per partition, partitions
+  int decode_only;           // row kernel: only rows of sequences with query_len == 1
+  int max_query_len;         // prefill kernel: rows of the longest chunk
+  int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
+  float scale_log2;          // softmax scale * log2(e)
+  int variant;               // prefill tile variant (0: default; benchmarks only)
+};
+
+// Each launcher returns 0 or a CUDA error code (cudaError_t as int); -1: unsupported configuration.
+// Row (decode / float32) kernel, one definition per dtype file (decode_<dtype>.cu):
+int launch_row_f32(int head_dim, const AttnParams& p, void* stream);
+int launch_row_f16(int head_dim, const AttnParams& p, void* stream);
+int launch_row_bf16(int head_dim, const AttnParams& p, void* stream);
+int occupancy_row_f32(int head_dim, int gmax);  // resident CTAs per SM
+int occupancy_row_f16(int head_dim, int gmax);
+int occupancy_row_bf16(int head_dim, int gmax);
+// Tensor-core prefill kernel (prefill_<dtype>.cu):
+int launch_prefill_f16(int head_dim, const AttnParams& p, void* stream);
+int launch_prefill_bf16(int head_dim, const AttnParams& p, void* stream);
+
+int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
+                    void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,
+                    int64_t row_bytes, void* stream);
+
+}  // namespace pagednb

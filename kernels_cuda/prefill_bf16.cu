@@ -1,0 +1,10 @@
+// Tensor-core prefill attention for one dtype: a build unit of its own. See prefill.cuh.
+#include "prefill.cuh"
+
+namespace pagednb {
+
+int launch_prefill_bf16(int head_dim, const AttnParams& p, void* stream) {
+  return launch_prefill_dtype<__nv_bfloat16>(head_dim, p, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace pagednb

@@ -1,0 +1,213 @@
+"""Paged attention on pagednb's own CUDA kernels (kernels_cuda/, built by jit.py).
+
+Per step and layer: `write_kv` scatters the new K/V rows into their slots (one kernel; slot -1 is
+skipped); `attend` runs
+  * the row kernel (CUDA cores, one CTA per query row x kv head x split-K partition, GQA-aware) for
+    decode rows, with a reduce kernel when a row's keys are split across partitions; in float32 it
+    serves every row (the test path);
+  * the tensor-core prefill kernel (mma.sync, FlashAttention-2 style) for sequences with more than one
+    new token (prefill chunks, prefix hits) in bf16/fp16.
+Both kernels read the same metadata and pick their own sequences, so a mixed batch is two launches.
+Anything the kernels do not cover (another dtype, head_dim or block size) goes to the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import torch
+
+from pagednb.attention.backend import AttentionBackend, AttentionMetadata
+from pagednb.attention.jit import load_error, load_kernels
+from pagednb.attention.torch_ref import TorchReferenceBackend
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+HEAD_DIMS = (16, 32, 64, 128, 256)
+LOG2E = 1.4426950408889634
+
+
+class AttnParams(ctypes.Structure):
+    """Mirror of pagednb::AttnParams (kernels_cuda/launchers.h); the size is checked at load."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_stride_tok", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
+        ("cache", ctypes.c_void_p), ("v_offset", ctypes.c_int64), ("out", ctypes.c_void_p),
+        ("part_o", ctypes.c_void_p), ("part_ml", ctypes.c_void_p), ("qsl", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
+        ("bt_stride", ctypes.c_int), ("num_seqs", ctypes.c_int), ("num_rows", ctypes.c_int),
+        ("H", ctypes.c_int), ("Hkv", ctypes.c_int), ("G", ctypes.c_int), ("head_groups", ctypes.c_int),
+        ("bs_log2", ctypes.c_int), ("window", ctypes.c_int), ("part_size", ctypes.c_int), ("P", ctypes.c_int),
+        ("decode_only", ctypes.c_int), ("max_query_len", ctypes.c_int), ("max_tiles", ctypes.c_int),
+        ("scale_log2", ctypes.c_float), ("variant", ctypes.c_int),
+    ]
+
+
+class _StepPlan:
+    """What the kernels need from one step's metadata, computed once and shared by every layer."""
+
+    __slots__ = ("rows", "num_decode", "has_chunk", "max_query_len", "max_seq_len", "num_seqs", "qsl",
+                 "seq_lens", "block_tables", "row_plans")
+
+    def __init__(self, md: AttentionMetadata) -> None:
+        starts = md.query_start_loc_cpu
+        self.num_seqs = md.num_seqs
+        self.rows = int(starts[-1])
+        self.num_decode = sum(1 for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1)
+        self.max_query_len = max((starts[i + 1] - starts[i] for i in range(self.num_seqs)), default=0)
+        self.has_chunk = self.max_query_len > 1
+        self.max_seq_len = max(md.seq_lens_cpu, default=0)
+        self.qsl = _int32(md.query_start_loc)
+        self.seq_lens = _int32(md.seq_lens)
+        self.block_tables = _int32(md.block_tables)
+        if self.block_tables.dim() != 2 or (self.block_tables.shape[1] > 1 and self.block_tables.stride(1) != 1):
+            self.block_tables = self.block_tables.contiguous()
+        self.row_plans: dict = {}
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+class CudaPagedBackend(AttentionBackend):
+    """The engine's attention on a CUDA GPU."""
+
+    name = "cuda"
+
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        lib = lib if lib is not None else load_kernels()
+        if lib is None:
+            raise RuntimeError(f"pagednb's CUDA kernels are unavailable: {load_error()}")
+        if lib.pagednb_params_size() != ctypes.sizeof(AttnParams):
+            raise RuntimeError("kernels_cuda/launchers.h and cuda_backend.AttnParams disagree")
+        self._lib = lib
+        self._reference = TorchReferenceBackend()
+        self._warned: set[str] = set()
+        self._num_sms: dict[int, int] = {}
+        self.prefill_variant = 0  # benchmarks: 1 = 64-row tiles for head_dim 128
+
+    # ---- support ---------------------------------------------------------------------------------
+    def unsupported_reason(self, dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"device {device}"
+        if dtype not in DTYPE_CODES:
+            return f"dtype {dtype}"
+        if head_dim not in HEAD_DIMS:
+            return f"head_dim {head_dim} (supported: {HEAD_DIMS})"
+        if block_size < 1 or block_size & (block_size - 1):
+            return f"block_size {block_size} (a power of two is needed)"
+        return None
+
+    def _fallback(self, reason: str) -> TorchReferenceBackend:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"pagednb CUDA attention: {reason} is not supported by the kernels; "
+                          "those layers use the reference backend", RuntimeWarning, stacklevel=3)
+        return self._reference
+
+    # ---- cache write -----------------------------------------------------------------------------
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        if kv_cache.device.type != "cuda" or not kv_cache.is_contiguous():
+            return self._fallback("a non-contiguous or non-CUDA cache").write_kv(key, value, kv_cache, slot_mapping)
+        n = min(slot_mapping.shape[0], key.shape[0])
+        if n == 0:
+            return
+        if key.dtype != kv_cache.dtype:
+            key = key.to(kv_cache.dtype)
+        if value.dtype != kv_cache.dtype:
+            value = value.to(kv_cache.dtype)
+        if key.stride(-1) != 1 or key.stride(-2) != head_dim:
+            key = key.contiguous()
+        if value.stride(-1) != 1 or value.stride(-2) != head_dim:
+            value = value.contiguous()
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        es = kv_cache.element_size()
+        row_bytes = num_kv_heads * head_dim * es
+        rc = self._lib.pagednb_write_kv(
+            key.data_ptr(), value.data_ptr(), key.stride(0) * es, value.stride(0) * es, kv_cache.data_ptr(),
+            kv_cache.shape[1] * kv_cache.shape[2] * row_bytes, slot_mapping.data_ptr(), n, row_bytes,
+            torch.cuda.current_stream(kv_cache.device).cuda_stream)
+        self._check(rc, "write_kv")
+
+    # ---- attention -------------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float, sliding_window: int | None) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        reason = self.unsupported_reason(query.dtype, head_dim, block_size, query.device)
+        if reason is None and (kv_cache.dtype != query.dtype or not kv_cache.is_contiguous()
+                               or kv_cache.data_ptr() % 16):
+            reason = "a cache whose dtype differs from the query's, or a non-contiguous cache"
+        if reason is None and num_heads % num_kv_heads:
+            reason = f"{num_heads} query heads over {num_kv_heads} kv heads"
+        if reason is not None:
+            return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window)
+
+        plan = getattr(metadata, "_cuda_plan", None)
+        if plan is None:
+            plan = _StepPlan(metadata)
+            metadata._cuda_plan = plan  # the metadata is built once per step and shared by all layers
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+        if plan.rows < num_tokens:
+            out[plan.rows:].zero_()  # padding rows past the last sequence, as the reference does
+        if plan.rows == 0 or plan.num_seqs == 0:
+            return out
+        vec = 16 // query.element_size()
+        if (query.stride(-1) != 1 or query.stride(0) % vec or query.stride(1) % vec or query.data_ptr() % 16):
+            query = query.contiguous()
+
+        dtype = DTYPE_CODES[query.dtype]
+        window = int(sliding_window) if sliding_window else 0
+        p = AttnParams()
+        p.q, p.q_stride_tok, p.q_stride_head = query.data_ptr(), query.stride(0), query.stride(1)
+        p.cache, p.v_offset, p.out = kv_cache.data_ptr(), kv_cache[0].numel(), out.data_ptr()
+        p.qsl, p.seq_lens, p.block_tables = plan.qsl.data_ptr(), plan.seq_lens.data_ptr(), plan.block_tables.data_ptr()
+        p.bt_stride = plan.block_tables.stride(0) if plan.block_tables.dim() == 2 else 0
+        p.num_seqs, p.num_rows = plan.num_seqs, plan.rows
+        p.H, p.Hkv, p.G = num_heads, num_kv_heads, num_heads // num_kv_heads
+        p.bs_log2 = block_size.bit_length() - 1
+        p.window = window
+        p.scale_log2 = scale * LOG2E
+        p.variant = self.prefill_variant
+        stream = torch.cuda.current_stream(query.device).cuda_stream
+
+        rows_on_cuda_cores = query.dtype == torch.float32 or not plan.has_chunk
+        if rows_on_cuda_cores or plan.num_decode:
+            decode_only = 0 if rows_on_cuda_cores else 1
+            key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only)
+            rp = plan.row_plans.get(key)
+            if rp is None:
+                rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads,
+                                    plan.rows if decode_only == 0 else plan.num_decode,
+                                    min(plan.max_seq_len, window) if window else plan.max_seq_len, query.device)
+                plan.row_plans[key] = rp
+            p.P, p.part_size, p.head_groups = rp
+            p.decode_only = decode_only
+            if p.P > 1:
+                part_o = torch.empty((plan.rows, num_heads, p.P, head_dim), dtype=torch.float32, device=query.device)
+                part_ml = torch.empty((plan.rows, num_heads, p.P, 2), dtype=torch.float32, device=query.device)
+                p.part_o, p.part_ml = part_o.data_ptr(), part_ml.data_ptr()
+            self._check(self._lib.pagednb_row_attention(dtype, head_dim, ctypes.byref(p), stream), "row attention")
+        if not rows_on_cuda_cores:
+            p.max_query_len = plan.max_query_len
+            self._check(self._lib.pagednb_prefill_attention(dtype, head_dim, ctypes.byref(p), stream),
+                        "prefill attention")
+        return out
+
+    def _row_plan(self, dtype: int, head_dim: int, group: int, num_kv_heads: int, rows: int, range_max: int,
+                  device: torch.device) -> tuple[int, int, int]:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        sms = self._num_sms.get(idx)
+        if sms is None:
+            sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        P, size, groups = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        rc = self._lib.pagednb_row_plan(dtype, head_dim, group, num_kv_heads, max(rows, 1), max(range_max, 1), sms,
+                                        ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
+        self._check(rc, "row plan")
+        return P.value, size.value, groups.value
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"pagednb CUDA {what} failed: {self._lib.pagednb_error_string(rc).decode()}")

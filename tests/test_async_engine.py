@@ -1,0 +1,231 @@
+"""The asynchronous face of the engine: streams on the running loop, sharing steps; leaving a stream
+early aborts it; aborts from any thread; synchronous calls inside a running loop; failures that reach
+their consumers; close() that ends everything. Each test runs its own loop with asyncio.run."""
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from pagednb import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture
+def llm(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, max_model_len=256)
+    yield engine
+    engine.close()
+
+
+def settle(llm, steps=3):
+    """Lets the background loop run a few steps' worth of turns."""
+    async def wait():
+        for _ in range(steps * 20):
+            await asyncio.sleep(0)
+    return wait()
+
+
+def test_stream_yields_cumulative_text_and_deltas(llm):
+    async def main():
+        outs = [out async for out in llm.stream("Unicode text: café 🐱", GREEDY)]
+        return outs
+    outs = asyncio.run(main())
+    assert len(outs) == 24 and outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert "".join(o.outputs[0].delta for o in outs) == outs[-1].outputs[0].text
+    assert all(a.outputs[0].text.startswith(b.outputs[0].text) for a, b in zip(outs[1:], outs))
+    assert llm.stats()["used_blocks"] == 0
+
+
+def test_streams_share_steps_and_agenerate_returns_the_final_output(llm):
+    alone = llm.generate(["The cat", "The dog", "Once upon"], GREEDY, use_tqdm=False)
+
+    async def main():
+        steps_before = llm.driver.num_steps
+        results = await asyncio.gather(*(llm.agenerate(p, GREEDY) for p in ["The cat", "The dog", "Once upon"]))
+        return results, llm.driver.num_steps - steps_before
+    results, steps = asyncio.run(main())
+    assert [r.outputs[0].token_ids for r in results] == [a.outputs[0].token_ids for a in alone]
+    assert steps < 2 * 24  # three requests advanced together, not one after another
+
+
+def test_breaking_out_of_a_stream_aborts_it_and_frees_its_blocks(llm):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async for out in llm.stream("The cat", long, request_id="leaver"):
+            if len(out.outputs[0].token_ids) == 3:
+                break
+        await settle(llm)
+        return llm.stats()
+    stats = asyncio.run(main())
+    assert stats["used_blocks"] == 0 and stats["running"] == 0
+    assert stats["cached_blocks"] >= 0
+
+
+def test_cancelling_the_consuming_task_and_aclose_abort(llm):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async def consume():
+            async for _ in llm.stream("The cat", long):
+                pass
+        task = asyncio.create_task(consume())
+        await settle(llm)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stream = llm.stream("The dog", long)
+        await stream.__anext__()
+        await stream.aclose()
+        await settle(llm)
+        return llm.stats()
+    stats = asyncio.run(main())
+    assert stats["running"] == stats["waiting"] == stats["used_blocks"] == 0
+
+
+def test_abort_from_another_thread_ends_the_stream_within_two_steps(llm):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        marks = {}
+        outs = []
+        async for out in llm.stream("The cat", long, request_id="victim"):
+            outs.append(out)
+            if len(outs) == 5:
+                marks["abort_step"] = llm.driver.num_steps
+                threading.Thread(target=llm.abort, args=("victim",)).start()
+        marks["end_step"] = llm.driver.num_steps
+        return outs, marks
+    outs, marks = asyncio.run(main())
+    assert outs[-1].outputs[0].finish_reason == "abort"
+    assert marks["end_step"] - marks["abort_step"] <= 2
+    assert llm.stats()["used_blocks"] == 0
+
+
+def test_sync_generate_inside_a_running_loop_keeps_background_streams_fed(llm):
+    expected = llm.generate(["The cat", "The dog"], GREEDY, use_tqdm=False)
+
+    async def main():
+        stream = llm.stream("The cat", GREEDY)
+        first = await stream.__anext__()
+        sync_out = llm.generate("The dog", GREEDY, use_tqdm=False)  # blocks this loop, steps for everyone
+        rest = [out async for out in stream]
+        return first, rest, sync_out
+    first, rest, sync_out = asyncio.run(main())
+    assert rest[-1].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert sync_out[0].outputs[0].token_ids == expected[1].outputs[0].token_ids
+    assert len(rest) == 23  # no output of the background stream was lost
+
+
+def test_64_concurrent_streams_with_random_aborts_and_priorities(tiny_model_dir):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(1, 40))] for _ in range(64)]
+    lengths = [rng.randint(1, 30) for _ in range(64)]
+    with LLM(str(tiny_model_dir("llama")), num_kv_blocks=24, max_model_len=128, max_num_seqs=16,
+             scheduling_policy="priority") as llm:
+        alone = [llm.generate(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids for p, n in zip(prompts, lengths)]
+        to_abort = set(rng.sample(range(64), 16))
+
+        async def one(i):
+            params = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
+            final = None
+            async for out in llm.stream(prompts[i], params, request_id=f"s{i}", priority=rng.randint(0, 3)):
+                final = out
+                if i in to_abort and len(out.outputs[0].token_ids) >= lengths[i] // 2:
+                    llm.abort(f"s{i}")
+            return final
+
+        async def main():
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finals = asyncio.run(main())
+        stats = llm.stats()
+        llm.engine.check_integrity()
+    assert all(f is not None and f.finished for f in finals)  # nothing lost
+    for i, final in enumerate(finals):
+        reason = final.outputs[0].finish_reason
+        if reason == "abort":
+            assert i in to_abort
+        else:
+            assert reason == "length" and final.outputs[0].token_ids == alone[i]
+    assert stats["used_blocks"] == 0 and stats["preemptions"] > 0
+
+
+def test_a_failing_model_step_reaches_every_consumer_and_the_engine_recovers(llm):
+    runner = llm.engine.runner
+    real_forward = runner.model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected kernel failure")
+        return real_forward(*args, **kwargs)
+
+    async def main():
+        async def consume(prompt):
+            try:
+                async for _ in llm.stream(prompt, GREEDY):
+                    pass
+            except RuntimeError as error:
+                return error
+        return await asyncio.gather(consume("The cat"), consume("The dog"))
+    runner.model.forward = flaky
+    errors = asyncio.run(main())
+    runner.model.forward = real_forward
+    assert [str(e) for e in errors] == ["injected kernel failure"] * 2
+    assert llm.stats()["used_blocks"] == 0
+    again = llm.generate("The cat", GREEDY, use_tqdm=False)[0]  # the engine goes on serving
+    assert again.outputs[0].finish_reason == "length"
+    llm.close()
+    assert llm.engine.closed
+
+
+def test_keyboard_interrupt_during_sync_generate_aborts_its_requests_only(llm):
+    expected = llm.generate("The cat", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    real_forward = runner.model.forward
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real_forward(*args, **kwargs)
+    runner.model.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["The cat", "The dog"], GREEDY, use_tqdm=False)
+    runner.model.forward = real_forward
+    assert llm.stats()["used_blocks"] == 0 and not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    assert llm.generate("The cat", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_close_ends_open_streams_and_stops_the_loop(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=32, max_model_len=256)
+
+    async def main():
+        stream = llm.stream("The cat", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        task = llm.driver._task
+        llm.close()
+        rest = [out async for out in stream]
+        await asyncio.sleep(0)
+        return rest, task
+    rest, task = asyncio.run(main())
+    assert rest[-1].outputs[0].finish_reason == "abort"
+    assert task.done() and llm.engine.closed and llm.engine.runner.kv_caches == []
+
+
+def test_the_loop_sleeps_when_idle(llm):
+    async def main():
+        await llm.agenerate("The cat", GREEDY)
+        steps = llm.driver.num_steps
+        t0 = time.process_time()
+        await asyncio.sleep(0.2)
+        return llm.driver.num_steps - steps, time.process_time() - t0
+    extra_steps, cpu = asyncio.run(main())
+    assert extra_steps == 0 and cpu < 0.1  # no spinning while nothing is queued
