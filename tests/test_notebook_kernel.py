@@ -43,11 +43,16 @@ def run_cell(client, code, timeout=120):
 
 
 @pytest.fixture
-def kernel():
+def kernel_and_manager():
     manager, client = start_new_kernel(kernel_name="python3", env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    yield client
+    yield client, manager
     client.stop_channels()
     manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(kernel_and_manager):
+    return kernel_and_manager[0]
 
 
 def test_background_stream_advances_across_cells_and_a_callback_cancels_it(kernel):
@@ -72,6 +77,24 @@ def test_background_stream_advances_across_cells_and_a_callback_cancels_it(kerne
     assert reason == "abort" and int(tokens) < 480
     assert int(end_step) - int(abort_step) <= 2
     assert int(used) == 0
+
+
+def test_interrupting_a_sync_generate_aborts_it_and_the_engine_stays_usable(kernel_and_manager):
+    import threading
+    kernel, manager = kernel_and_manager
+    run_cell(kernel, SETUP + "expected = llm.generate('The cat', SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)")
+    threading.Timer(1.0, manager.interrupt_kernel).start()  # the notebook's stop button
+    reply = kernel.execute_interactive(
+        "llm.generate(['Once upon a time'] * 4, SamplingParams(temperature=0, max_tokens=450, ignore_eos=True))",
+        timeout=60)
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    out = run_cell(kernel, textwrap.dedent("""
+        stats = llm.stats()
+        again = llm.generate('The cat', SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        print(stats["used_blocks"], stats["running"], stats["waiting"],
+              again[0].outputs[0].token_ids == expected[0].outputs[0].token_ids)
+    """))
+    assert out.split() == ["0", "0", "0", "True"]
 
 
 RUN_ALL_CELLS = [
