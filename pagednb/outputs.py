@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
@@ -15,7 +15,7 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -31,7 +31,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
