@@ -137,6 +137,11 @@ class LLM:
         """Pool and scheduler counters: blocks used/free/cached, running/waiting, preemptions, hits."""
         return self.engine.stats()
 
+    def block_map(self) -> list[tuple[str, str | None]]:
+        """Each KV block's state in block-id order: ("used", owning request id), ("cached", None) or
+        ("free", None). What the notebook's pool view draws."""
+        return self.engine.block_map()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -148,6 +148,30 @@ def test_abort_ends_the_request_at_the_next_step_and_frees_its_blocks(llm):
     assert finals[keep].outputs[0].finish_reason == "length"
 
 
+def test_block_map_shows_each_blocks_state_and_owner(llm):
+    engine = llm.engine
+    rid = engine.add_request(None, list(range(3, 40)), GREEDY)  # 37 tokens: 3 blocks
+    engine.step()
+    states = llm.block_map()
+    assert len(states) == 64
+    assert sorted(i for i, (state, owner) in enumerate(states) if owner == rid) == sorted(engine.kv_cache_manager.block_ids(rid))
+    assert sum(state == "used" for state, _ in states) == llm.stats()["used_blocks"] == 3
+    engine.abort_request(rid)
+    engine.step()
+    states = llm.block_map()
+    assert sum(state == "cached" for state, _ in states) >= 2  # full blocks keep their prefix content
+    assert all(state != "used" for state, _ in states)
+
+
+def test_counters_for_rates(llm):
+    before = llm.stats()
+    llm.generate("The cat", GREEDY, use_tqdm=False)
+    after = llm.stats()
+    assert after["generated_tokens"] - before["generated_tokens"] == 12
+    assert after["steps"] - before["steps"] == 12
+    assert after["computed_tokens"] > after["generated_tokens"] - before["generated_tokens"]
+
+
 def test_chat_applies_the_template(llm):
     conversation = [{"role": "user", "content": "Tell me a story."}]
     out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]

@@ -113,6 +113,15 @@ class KVCacheManager:
         state = self._reqs.get(request_id)
         return 0 if state is None else sum(block is not None for block in state.blocks)
 
+    def block_map(self) -> list[tuple[str, str | None]]:
+        owners: dict[int, str] = {}
+        for request_id, state in self._reqs.items():
+            for block in state.blocks:
+                if block is not None:
+                    owners.setdefault(block.block_id, request_id)
+        return [("used", owners.get(b.block_id)) if b.ref_cnt > 0 else
+                ("cached", None) if b.block_hash is not None else ("free", None) for b in self.pool.blocks]
+
     def reference_counts(self) -> dict[int, int]:
         """How many requests hold each block: what every block's ref_cnt must equal."""
         counts: dict[int, int] = {}

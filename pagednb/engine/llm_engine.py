@@ -68,6 +68,9 @@ class LLMEngine:
         self._pending_aborts: set[str] = set()
         self._abort_lock = threading.Lock()
         self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_computed_tokens = 0  # prompt and recomputed tokens included: all the model processed
         self.closed = False
 
     # ---- requests --------------------------------------------------------------------------------
@@ -137,6 +140,9 @@ class LLMEngine:
             self.scheduler.rollback(sched)
             raise
         progressed = self.scheduler.update_from_output(sched, token_ids)
+        self.num_steps += 1
+        self.num_generated_tokens += len(token_ids)
+        self.num_computed_tokens += sched.num_scheduled_tokens
         if sampler_output is not None and sampler_output.logprobs is not None:
             _record_logprobs(progressed, sampler_output)
         stops = self.output_processor.detokenize(progressed + aborted)
@@ -166,7 +172,15 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.kv_cache_manager.prefix_cache_hit_tokens,
             "prefix_cache_query_tokens": self.kv_cache_manager.prefix_cache_query_tokens,
             "kv_usage": used / pool.num_blocks,
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "computed_tokens": self.num_computed_tokens,
         }
+
+    def block_map(self) -> list[tuple[str, str | None]]:
+        """Every block's state, in block-id order: ("used", request_id), ("cached", None) for a free
+        block that still holds reusable prefix content, or ("free", None)."""
+        return self.kv_cache_manager.block_map()
 
     def check_integrity(self) -> None:
         """Asserts the pool's invariants (free xor referenced, ref counts == holders); for tests."""
