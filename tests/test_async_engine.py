@@ -20,6 +20,21 @@ def llm(tiny_model_dir):
     engine.close()
 
 
+def fail_on_call(llm, call_number: int, error: BaseException):
+    """Makes the model's forward raise `error` on its call_number-th call; returns the undo function."""
+    runner = llm.engine.runner
+    real_forward = runner.model.forward
+    calls = {"n": 0}
+
+    def forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call_number:
+            raise error
+        return real_forward(*args, **kwargs)
+    runner.model.forward = forward
+    return lambda: setattr(runner.model, "forward", real_forward)
+
+
 def settle(llm, steps=3):
     """Lets the background loop run a few steps' worth of turns."""
     async def wait():
@@ -155,16 +170,6 @@ def test_64_concurrent_streams_with_random_aborts_and_priorities(tiny_model_dir)
 
 
 def test_a_failing_model_step_reaches_every_consumer_and_the_engine_recovers(llm):
-    runner = llm.engine.runner
-    real_forward = runner.model.forward
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected kernel failure")
-        return real_forward(*args, **kwargs)
-
     async def main():
         async def consume(prompt):
             try:
@@ -173,9 +178,9 @@ def test_a_failing_model_step_reaches_every_consumer_and_the_engine_recovers(llm
             except RuntimeError as error:
                 return error
         return await asyncio.gather(consume("The cat"), consume("The dog"))
-    runner.model.forward = flaky
+    undo = fail_on_call(llm, 3, RuntimeError("injected kernel failure"))
     errors = asyncio.run(main())
-    runner.model.forward = real_forward
+    undo()
     assert [str(e) for e in errors] == ["injected kernel failure"] * 2
     assert llm.stats()["used_blocks"] == 0
     again = llm.generate("The cat", GREEDY, use_tqdm=False)[0]  # the engine goes on serving
@@ -186,19 +191,10 @@ def test_a_failing_model_step_reaches_every_consumer_and_the_engine_recovers(llm
 
 def test_keyboard_interrupt_during_sync_generate_aborts_its_requests_only(llm):
     expected = llm.generate("The cat", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    runner = llm.engine.runner
-    real_forward = runner.model.forward
-    calls = {"n": 0}
-
-    def interrupted(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_forward(*args, **kwargs)
-    runner.model.forward = interrupted
+    undo = fail_on_call(llm, 5, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["The cat", "The dog"], GREEDY, use_tqdm=False)
-    runner.model.forward = real_forward
+    undo()
     assert llm.stats()["used_blocks"] == 0 and not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
     assert llm.generate("The cat", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
