@@ -24,17 +24,18 @@ int check_params(int dtype, int head_dim, const AttnParams* p) {
 
 int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
-int occupancy(int dtype, int head_dim, int gmax) {  // cached: one query per configuration
+int occupancy(int dtype, int head_dim, int gmax, int variant) {  // cached: one query per configuration
   static std::mutex mu;
-  static int cache[3][5][4] = {};
+  static int cache[2][3][5][4] = {};
+  variant = variant != 0;
   const int di = head_dim == 16 ? 0 : head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : 4;
   const int gi = gmax == 1 ? 0 : gmax == 2 ? 1 : gmax == 4 ? 2 : 3;
   std::lock_guard<std::mutex> lock(mu);
-  int& n = cache[dtype][di][gi];
+  int& n = cache[variant][dtype][di][gi];
   if (n == 0) {
-    n = dtype == pagednb::kFloat32   ? pagednb::occupancy_row_f32(head_dim, gmax)
-        : dtype == pagednb::kFloat16 ? pagednb::occupancy_row_f16(head_dim, gmax)
-                                     : pagednb::occupancy_row_bf16(head_dim, gmax);
+    n = dtype == pagednb::kFloat32   ? pagednb::occupancy_row_f32(head_dim, gmax, variant)
+        : dtype == pagednb::kFloat16 ? pagednb::occupancy_row_f16(head_dim, gmax, variant)
+                                     : pagednb::occupancy_row_bf16(head_dim, gmax, variant);
     if (n <= 0) n = 1;
   }
   return n;
@@ -45,16 +46,17 @@ int occupancy(int dtype, int head_dim, int gmax) {  // cached: one query per con
 extern "C" {
 
 // Split-K plan for the row kernel: rows = query rows it serves, range_max = the most tokens a row
-// attends to. Aims at >= 2 waves of CTAs across the SMs, partitions of >= 256 tokens.
+// attends to. No split when the (row, kv head) CTAs already fill 3/4 of one wave of resident CTAs;
+// otherwise enough partitions (of >= 256 tokens) for about one full wave.
 int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int range_max, int num_sms,
-                     int* P, int* part_size, int* head_groups) {
+                     int variant, int* P, int* part_size, int* head_groups) {
   if (dtype < 0 || dtype > 2 || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;
   const int gmax = gmax_for(G);
   *head_groups = (G + gmax - 1) / gmax;
   range_max = range_max < 1 ? 1 : range_max;
   const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * Hkv * *head_groups;
-  const int64_t want = 2LL * occupancy(dtype, head_dim, gmax) * (num_sms < 1 ? 1 : num_sms);
-  int64_t parts = base >= want ? 1 : (want + base - 1) / base;
+  const int64_t wave = (int64_t)occupancy(dtype, head_dim, gmax, variant) * (num_sms < 1 ? 1 : num_sms);
+  int64_t parts = 4 * base >= 3 * wave ? 1 : (wave + base - 1) / base;
   const int64_t max_parts = (range_max + 255) / 256;
   if (parts > max_parts) parts = max_parts;
   if (parts > 1024) parts = 1024;

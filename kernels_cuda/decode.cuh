@@ -10,6 +10,10 @@
 // pre-scaled by scale * log2 e) and exponentiated with ex2.approx.
 // With P > 1 partitions, each CTA writes an unnormalised partial (o, m, l) and row_reduce_kernel
 // merges them.
+// PIPE (16-bit types; the default): each thread streams its own K/V vectors through a private
+// shared-memory ring of S steps with cp.async, S - 1 steps ahead of the math, so loads stay in flight
+// while it computes; no barrier is needed since a thread only reads what it copied itself. Without
+// PIPE (float32, and variant 0) the loads of a step go straight to registers.
 #pragma once
 
 #include "common.cuh"
@@ -30,13 +34,19 @@ struct RowCfg {
   static constexpr int SLOTS = NW * TPW;
   static constexpr int U = GMAX >= 8 ? 2 : 4;                     // tokens per slot per step
   static constexpr int STEP = SLOTS * U;
+  static constexpr int S = 3;                                     // ring stages (PIPE)
+  static constexpr int RING_BYTES = S * U * NV * 2 * NT * 16;
+  static constexpr int MERGE_BYTES = NW * GMAX * (D + 2) * 4;
   static_assert(D % (VEC * TPR) == 0, "head_dim");
+  static constexpr int smem(bool pipe) { return pipe && RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES; }
 };
 
-template <typename T, int D, int GMAX>
+template <typename T, int D, int GMAX, bool PIPE>
 __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   using C = RowCfg<T, D, GMAX>;
-  constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U;
+  constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U, S = C::S;
+  constexpr int NT = C::NT;
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
 
   const int row = blockIdx.x;
   const int s = find_seq(p.qsl, p.num_seqs, row);
@@ -94,20 +104,62 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   const T* kbase = reinterpret_cast<const T*>(p.cache) + (int64_t)kvh * D + sub * VEC;
   const int bs_mask = (1 << p.bs_log2) - 1;
 
-  for (int t0 = t_begin; t0 < t_end; t0 += C::STEP) {
+  const int nsteps = t_end > t_begin ? (t_end - t_begin + C::STEP - 1) / C::STEP : 0;
+  uint4* ring = reinterpret_cast<uint4*>(dyn_smem);  // [S][U][NV][2][NT], 16 B per thread and vector
+  auto issue = [&](int i) {  // cp.async of step i into stage i % S (an empty group past the end)
+    if (i < nsteps) {
+      const int t0 = t_begin + i * C::STEP;
+      uint4* st = ring + (i % S) * (U * NV * 2 * NT) + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = t0 + u * C::SLOTS + slot;
+        const int tc = t < t_end ? t : t_end - 1;
+        const int blk = __ldg(bt + (tc >> p.bs_log2));
+        const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          cp_async16(st + ((u * NV + v) * 2) * NT, kp + v * TPR * VEC, true);
+          cp_async16(st + ((u * NV + v) * 2 + 1) * NT, kp + p.v_offset + v * TPR * VEC, true);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  if constexpr (PIPE) {
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(i);
+  }
+
+  for (int i = 0; i < nsteps; ++i) {
+    const int t0 = t_begin + i * C::STEP;
     uint4 kr[U][NV], vr[U][NV];
     bool valid[U];
+    if constexpr (PIPE) {
+      issue(i + S - 1);
+      cp_async_wait<S - 1>();
+      const uint4* st = ring + (i % S) * (U * NV * 2 * NT) + threadIdx.x;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = t0 + u * C::SLOTS + slot;
-      valid[u] = t < t_end;
-      const int tc = valid[u] ? t : t_end - 1;  // a real token of this partition: never garbage
-      const int blk = __ldg(bt + (tc >> p.bs_log2));
-      const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
+      for (int u = 0; u < U; ++u) {
+        valid[u] = t0 + u * C::SLOTS + slot < t_end;
 #pragma unroll
-      for (int v = 0; v < NV; ++v) {
-        kr[u][v] = ldg16(kp + v * TPR * VEC);
-        vr[u][v] = ldg16(kp + p.v_offset + v * TPR * VEC);
+        for (int v = 0; v < NV; ++v) {
+          kr[u][v] = st[((u * NV + v) * 2) * NT];
+          vr[u][v] = st[((u * NV + v) * 2 + 1) * NT];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = t0 + u * C::SLOTS + slot;
+        valid[u] = t < t_end;
+        const int tc = valid[u] ? t : t_end - 1;  // a real token of this partition: never garbage
+        const int blk = __ldg(bt + (tc >> p.bs_log2));
+        const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          kr[u][v] = ldg16(kp + v * TPR * VEC);
+          vr[u][v] = ldg16(kp + p.v_offset + v * TPR * VEC);
+        }
       }
     }
     float sc[U][GMAX];
@@ -182,9 +234,14 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
     }
   }
 
-  // merge the warps through shared memory
-  __shared__ float s_acc[NW][GMAX][D];
-  __shared__ float s_m[NW][GMAX], s_l[NW][GMAX];
+  // merge the warps through shared memory (the ring's space once every copy has landed)
+  if constexpr (PIPE) {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+  auto s_acc = reinterpret_cast<float (*)[GMAX][D]>(dyn_smem);
+  auto s_m = reinterpret_cast<float (*)[GMAX]>(dyn_smem + NW * GMAX * D * 4);
+  auto s_l = reinterpret_cast<float (*)[GMAX]>(dyn_smem + NW * GMAX * (D + 1) * 4);
   if (lane < TPR) {
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
@@ -242,20 +299,51 @@ __global__ void row_reduce_kernel(const AttnParams p, int D) {
   o[d] = Elem<T>::from_float(O / L);
 }
 
+// The pipelined variant for 16-bit types unless variant 0 is asked for; float32 never (its ring would
+// not fit beside a useful number of CTAs, and it exists for tests).
+template <typename T>
+constexpr bool pipe_ok() { return sizeof(T) == 2; }
+
+template <typename T, int D, int GMAX, bool PIPE>
+int launch_row_kernel(const AttnParams& p, cudaStream_t st) {
+  using C = RowCfg<T, D, GMAX>;
+  constexpr int smem = C::smem(PIPE);
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, D, GMAX, PIPE>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
+  row_attn_kernel<T, D, GMAX, PIPE><<<grid, C::NT, smem, st>>>(p);
+  return (int)cudaGetLastError();
+}
+
 template <typename T, int D, int GMAX>
 int launch_row_t(const AttnParams& p, cudaStream_t st) {
-  const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
-  row_attn_kernel<T, D, GMAX><<<grid, RowCfg<T, D, GMAX>::NT, 0, st>>>(p);
+  int e;
+  if constexpr (pipe_ok<T>()) {
+    e = p.row_variant == 0 ? launch_row_kernel<T, D, GMAX, false>(p, st) : launch_row_kernel<T, D, GMAX, true>(p, st);
+  } else {
+    e = launch_row_kernel<T, D, GMAX, false>(p, st);
+  }
+  if (e != 0) return e;
   if (p.P > 1) row_reduce_kernel<T><<<dim3(p.num_rows, p.H), D, 0, st>>>(p, D);
   return (int)cudaGetLastError();
 }
 
 template <typename T, int D, int GMAX>
-int occupancy_t() {
+int occupancy_t(int variant) {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, D, GMAX>, 128, 0) != cudaSuccess)
-    return 1;
-  return n;
+  cudaError_t e;
+  if (pipe_ok<T>() && variant != 0)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, D, GMAX, pipe_ok<T>()>, 128,
+                                                      RowCfg<T, D, GMAX>::smem(pipe_ok<T>()));
+  else
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, D, GMAX, false>, 128,
+                                                      RowCfg<T, D, GMAX>::smem(false));
+  return e == cudaSuccess && n > 0 ? n : 1;
 }
 
 inline int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
@@ -270,10 +358,10 @@ inline int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
   }
 #define PAGEDNB_OCC_DISPATCH_D(T, D)                                                    \
   switch (gmax) {                                                                       \
-    case 1: return occupancy_t<T, D, 1>();                                              \
-    case 2: return occupancy_t<T, D, 2>();                                              \
-    case 4: return occupancy_t<T, D, 4>();                                              \
-    default: return occupancy_t<T, D, 8>();                                             \
+    case 1: return occupancy_t<T, D, 1>(variant);                                              \
+    case 2: return occupancy_t<T, D, 2>(variant);                                              \
+    case 4: return occupancy_t<T, D, 4>(variant);                                              \
+    default: return occupancy_t<T, D, 8>(variant);                                             \
   }
 
 template <typename T>
@@ -288,7 +376,7 @@ int launch_row_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
   }
 }
 template <typename T>
-int occupancy_dtype(int head_dim, int gmax) {
+int occupancy_dtype(int head_dim, int gmax, int variant) {
   switch (head_dim) {
     case 16: PAGEDNB_OCC_DISPATCH_D(T, 16)
     case 32: PAGEDNB_OCC_DISPATCH_D(T, 32)

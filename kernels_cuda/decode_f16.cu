@@ -7,6 +7,8 @@ namespace pagednb {
 int launch_row_f16(int head_dim, const AttnParams& p, void* stream) {
   return launch_row_dtype<__half>(head_dim, p, static_cast<cudaStream_t>(stream));
 }
-int occupancy_row_f16(int head_dim, int gmax) { return occupancy_dtype<__half>(head_dim, gmax); }
+int occupancy_row_f16(int head_dim, int gmax, int variant) {
+  return occupancy_dtype<__half>(head_dim, gmax, variant);
+}
 
 }  // namespace pagednb

@@ -33,6 +33,7 @@ struct AttnParams {
   int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
   float scale_log2;          // softmax scale * log2(e)
   int variant;               // prefill tile variant (0: default; benchmarks only)
+  int row_variant;           // row kernel: 1 = cp.async ring (default for 16-bit types), 0 = direct loads
 };
 
 // Each launcher returns 0 or a CUDA error code (cudaError_t as int); -1: unsupported configuration.
@@ -40,9 +41,9 @@ struct AttnParams {
 int launch_row_f32(int head_dim, const AttnParams& p, void* stream);
 int launch_row_f16(int head_dim, const AttnParams& p, void* stream);
 int launch_row_bf16(int head_dim, const AttnParams& p, void* stream);
-int occupancy_row_f32(int head_dim, int gmax);  // resident CTAs per SM
-int occupancy_row_f16(int head_dim, int gmax);
-int occupancy_row_bf16(int head_dim, int gmax);
+int occupancy_row_f32(int head_dim, int gmax, int variant);  // resident CTAs per SM
+int occupancy_row_f16(int head_dim, int gmax, int variant);
+int occupancy_row_bf16(int head_dim, int gmax, int variant);
 // Tensor-core prefill kernel (prefill_<dtype>.cu):
 int launch_prefill_f16(int head_dim, const AttnParams& p, void* stream);
 int launch_prefill_bf16(int head_dim, const AttnParams& p, void* stream);

@@ -32,15 +32,18 @@ def test_cpu_selection_is_the_reference_and_forcing_cuda_on_cpu_raises():
 
 
 # ---- GPU cases ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def backend():
+@pytest.fixture(scope="module", params=[1, 0], ids=["rows-pipelined", "rows-direct"])
+def backend(request):
+    """The backend with each row-kernel variant (1: cp.async ring, the default; 0: direct loads)."""
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
     from pagednb.attention.jit import load_error, load_kernels
     lib = load_kernels()
     assert lib is not None, f"the CUDA kernels did not build: {load_error()}"
     from pagednb.attention.cuda_backend import CudaPagedBackend
-    return CudaPagedBackend(lib)
+    backend = CudaPagedBackend(lib)
+    backend.row_variant = request.param
+    return backend
 
 
 class Case:

@@ -38,7 +38,7 @@ class AttnParams(ctypes.Structure):
         ("H", ctypes.c_int), ("Hkv", ctypes.c_int), ("G", ctypes.c_int), ("head_groups", ctypes.c_int),
         ("bs_log2", ctypes.c_int), ("window", ctypes.c_int), ("part_size", ctypes.c_int), ("P", ctypes.c_int),
         ("decode_only", ctypes.c_int), ("max_query_len", ctypes.c_int), ("max_tiles", ctypes.c_int),
-        ("scale_log2", ctypes.c_float), ("variant", ctypes.c_int),
+        ("scale_log2", ctypes.c_float), ("variant", ctypes.c_int), ("row_variant", ctypes.c_int),
     ]
 
 
@@ -84,6 +84,7 @@ class CudaPagedBackend(AttentionBackend):
         self._warned: set[str] = set()
         self._num_sms: dict[int, int] = {}
         self.prefill_variant = 0  # benchmarks: 1 = 64-row tiles for head_dim 128
+        self.row_variant = 1  # 1: cp.async-pipelined row kernel (bf16/fp16); 0: direct loads
 
     # ---- support ---------------------------------------------------------------------------------
     def unsupported_reason(self, dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device) -> str | None:
@@ -171,15 +172,16 @@ class CudaPagedBackend(AttentionBackend):
         p.window = window
         p.scale_log2 = scale * LOG2E
         p.variant = self.prefill_variant
+        p.row_variant = self.row_variant
         stream = torch.cuda.current_stream(query.device).cuda_stream
 
         rows_on_cuda_cores = query.dtype == torch.float32 or not plan.has_chunk
         if rows_on_cuda_cores or plan.num_decode:
             decode_only = 0 if rows_on_cuda_cores else 1
-            key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only)
+            key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only, self.row_variant)
             rp = plan.row_plans.get(key)
             if rp is None:
-                rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads,
+                rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant,
                                     plan.rows if decode_only == 0 else plan.num_decode,
                                     min(plan.max_seq_len, window) if window else plan.max_seq_len, query.device)
                 plan.row_plans[key] = rp
@@ -196,15 +198,15 @@ class CudaPagedBackend(AttentionBackend):
                         "prefill attention")
         return out
 
-    def _row_plan(self, dtype: int, head_dim: int, group: int, num_kv_heads: int, rows: int, range_max: int,
-                  device: torch.device) -> tuple[int, int, int]:
+    def _row_plan(self, dtype: int, head_dim: int, group: int, num_kv_heads: int, variant: int, rows: int,
+                  range_max: int, device: torch.device) -> tuple[int, int, int]:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         sms = self._num_sms.get(idx)
         if sms is None:
             sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         P, size, groups = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         rc = self._lib.pagednb_row_plan(dtype, head_dim, group, num_kv_heads, max(rows, 1), max(range_max, 1), sms,
-                                        ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
+                                        variant, ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
         self._check(rc, "row plan")
         return P.value, size.value, groups.value
 

@@ -131,7 +131,7 @@ def _build_and_load(quiet: bool) -> ctypes.CDLL:
 def _declare(lib: ctypes.CDLL) -> None:
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     ip = ctypes.POINTER(ctypes.c_int)
-    lib.pagednb_row_plan.argtypes = [i32, i32, i32, i32, i32, i32, i32, ip, ip, ip]
+    lib.pagednb_row_plan.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, ip, ip, ip]
     lib.pagednb_row_attention.argtypes = [i32, i32, vp, vp]
     lib.pagednb_prefill_attention.argtypes = [i32, i32, vp, vp]
     lib.pagednb_write_kv.argtypes = [vp, vp, i64, i64, vp, i64, vp, i32, i64, vp]
