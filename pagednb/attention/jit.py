@@ -34,9 +34,13 @@ _state: dict = {"tried": False, "lib": None, "error": None}
 
 
 def kernels_dir() -> Path:
-    """The kernel sources: $PAGEDNB_KERNELS_DIR, else kernels_cuda/ beside the package (a source checkout)."""
+    """The kernel sources: $PAGEDNB_KERNELS_DIR, else kernels_cuda/ of a source checkout, else the copy
+    a wheel carries as pagednb/_kernels_cuda."""
     env = os.environ.get("PAGEDNB_KERNELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "kernels_cuda"
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parents[2] / "kernels_cuda"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parents[1] / "_kernels_cuda"
 
 
 def unavailable_reason() -> str | None:
