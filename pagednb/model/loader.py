@@ -129,9 +129,12 @@ def weight_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | Non
 
 @torch.no_grad()
 def load_weights(model: CausalLM, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into its (part of a) parameter; all must be present."""
+    """Copy every checkpoint tensor into its (part of a) parameter; all must be present. A progress bar
+    appears only if loading takes over a second (big checkpoints), so small models stay quiet."""
+    from tqdm.auto import tqdm
     targets = weight_targets(model)
     loaded, unexpected = set(), []
+    bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", delay=1.0, leave=False)
     for name, tensor in _iter_tensors(files):
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
             continue
@@ -145,6 +148,8 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                                   f"model expects {tuple(dest.shape)}")
         dest.copy_(tensor)
         loaded.add(name)
+        bar.update()
+    bar.close()
     _check_complete(targets.keys() - loaded, unexpected)
 
 

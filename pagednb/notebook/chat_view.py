@@ -1,0 +1,132 @@
+"""`chat()`: a multi-turn chat in a cell — history as bubbles, an input box, Send and Cancel.
+
+Each turn is one request whose prompt is the tokenizer's chat template applied to the whole
+conversation so far. The previous turns' tokens are therefore an exact prefix of the new prompt, and
+the engine's prefix cache serves them: a follow-up's time to first token (shown under every reply)
+stays small however long the conversation grows.
+
+Button handlers only hand work to the event loop (`call_soon_threadsafe`), since ipykernel 7.0-7.3 may
+run them on another thread and a stream must be started on the loop's own thread.
+"""
+from __future__ import annotations
+
+import threading
+
+import ipywidgets as widgets
+
+from pagednb.notebook.display import Displayable
+from pagednb.notebook.markdown import escape
+from pagednb.notebook.prompts import chat_prompt_ids
+from pagednb.notebook.stream_view import StreamView, _running_loop
+from pagednb.notebook.throttle import BUDGET
+from pagednb.outputs import RequestOutput
+from pagednb.sampling_params import SamplingParams
+
+_BUBBLE = "border-radius:12px;padding:6px 12px;max-width:80%;"
+USER_CSS = _BUBBLE + "background:#dbeafe;margin-left:auto;white-space:pre-wrap;"
+ASSISTANT_CSS = _BUBBLE + "background:#f3f4f6;"
+
+
+class ChatView(Displayable):
+    """The chat widget. `history` holds the conversation as chat messages (system prompt first)."""
+
+    def __init__(self, llm, system_prompt: str | None = None, sampling_params: SamplingParams | None = None) -> None:
+        self._loop = _running_loop()
+        self._loop_thread = threading.get_ident()
+        self._llm = llm
+        self._tokenizer = llm.get_tokenizer()
+        if getattr(self._tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use pagednb.notebook.stream() with a "
+                             "plain prompt instead")
+        self._params = sampling_params
+        self.history: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.turn: StreamView | None = None  # the latest assistant turn
+
+        self.history_box = widgets.VBox([], layout=widgets.Layout(max_height="480px", overflow="auto"))
+        self.history_box.add_class("pagednb-chat-history")
+        if system_prompt:
+            self.history_box.children = (_bubble(f"<i>system:</i> {escape(system_prompt)}", _BUBBLE + "background:#fef3c7;"),)
+        self.input = widgets.Text(placeholder="Type a message and press Send",
+                                  layout=widgets.Layout(flex="1 1 auto", width="auto"))
+        self.input.add_class("pagednb-chat-input")
+        self.send_button = widgets.Button(description="Send", icon="paper-plane", button_style="primary",
+                                          layout=widgets.Layout(width="auto"))
+        self.send_button.add_class("pagednb-send")
+        self.cancel_button = widgets.Button(description="Cancel", icon="stop", button_style="warning",
+                                            disabled=True, layout=widgets.Layout(width="auto"))
+        self.cancel_button.add_class("pagednb-cancel")
+        self.send_button.on_click(lambda _button: self._loop.call_soon_threadsafe(self._send_from_input))
+        self.cancel_button.on_click(lambda _button: self.cancel())
+        self.widget = widgets.VBox([self.history_box, widgets.HBox([self.input, self.send_button, self.cancel_button])])
+        self.widget.add_class("pagednb-chat")
+
+    @property
+    def busy(self) -> bool:
+        return self.turn is not None and not self.turn.done
+
+    def send(self, text: str) -> StreamView:
+        """Adds a user message and streams the reply; returns the reply's handle (`await` it for the
+        final output). Call on the loop's thread (any cell); one reply streams at a time."""
+        if threading.get_ident() != self._loop_thread:
+            raise RuntimeError("ChatView.send() must run on the event loop's thread (a cell); the Send button may "
+                               "be clicked from anywhere")
+        if self.busy:
+            raise RuntimeError("a reply is still streaming: await it or cancel() it first")
+        self.history.append({"role": "user", "content": text})
+        try:
+            ids = chat_prompt_ids(self._tokenizer, self.history)
+            turn = StreamView(self._llm, {"prompt_token_ids": ids}, self._params, show_cancel=False,
+                              text_css=ASSISTANT_CSS, on_final=self._on_final)
+        except Exception:
+            self.history.pop()  # the turn never started: the conversation stays as it was
+            raise
+        self.turn = turn
+        BUDGET.take(3)
+        self.history_box.children = (*self.history_box.children, _bubble(escape(text), USER_CSS), turn.widget)
+        self.send_button.disabled = True
+        self.cancel_button.disabled = False
+        return turn
+
+    def cancel(self) -> None:
+        """Stops the streaming reply (safe from any thread); what it said so far stays in the history."""
+        turn = self.turn
+        if turn is not None:
+            turn.cancel()
+
+    def _send_from_input(self) -> None:
+        text = self.input.value.strip()
+        if not text or self.busy:
+            return
+        self.input.value = ""
+        BUDGET.take(1)
+        try:
+            self.send(text)
+        except Exception as error:  # e.g. the conversation outgrew max_model_len: say so in the chat
+            self.history_box.children = (*self.history_box.children,
+                                         _bubble(f"<b>error:</b> {escape(str(error))}", ASSISTANT_CSS + "color:#b91c1c;"))
+
+    def _on_final(self, out: RequestOutput | None) -> None:
+        """Runs (on the loop) when the reply ends, before anyone awaiting it resumes."""
+        text = out.outputs[0].text if out is not None and out.outputs else ""
+        self.history.append({"role": "assistant", "content": text})
+        BUDGET.take(2)
+        self.send_button.disabled = False
+        self.cancel_button.disabled = True
+
+    def __repr__(self) -> str:
+        return f"ChatView({len(self.history)} messages{', streaming' if self.busy else ''})"
+
+
+def _bubble(html: str, css: str) -> widgets.HTML:
+    bubble = widgets.HTML(f'<div style="{css}">{html}</div>', layout=widgets.Layout(width="100%"))
+    bubble.add_class("pagednb-chat-bubble")
+    return bubble
+
+
+def chat(llm, system_prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+         display: bool = True) -> ChatView:
+    """Shows a chat with `llm` in the cell; type and press Send, or call `view.send(text)`."""
+    view = ChatView(llm, system_prompt, sampling_params)
+    if display:
+        view.show()
+    return view

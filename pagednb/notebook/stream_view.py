@@ -1,0 +1,171 @@
+"""`stream()`: one request's text appearing live in a cell, with a Cancel button and a status line.
+
+The cell returns at once; a task on the running loop (the kernel's) consumes `llm.stream()` and renders
+through throttles, so the widgets get at most ~30 text updates a second however fast tokens come, and
+the final state always lands. The Cancel button only calls `llm.abort()` (thread-safe, as ipykernel
+7.0-7.3 may run handlers on another thread); the consuming task sees the request end with
+finish_reason "abort" and renders that itself, so widgets are only ever touched on the loop's thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import ipywidgets as widgets
+
+from pagednb.notebook.display import Displayable
+from pagednb.notebook.markdown import markdown_to_html, plain_to_html
+from pagednb.notebook.prompts import engine_prompt
+from pagednb.notebook.throttle import BUDGET, STATUS_HZ, TEXT_HZ, Throttle
+from pagednb.outputs import RequestOutput
+from pagednb.sampling_params import RequestOutputKind, SamplingParams
+
+# The engine's default (16 tokens) suits batch calls; a view is for reading a whole reply.
+DEFAULT_MAX_TOKENS = 256
+
+
+def streaming_params(sampling_params: SamplingParams | None) -> SamplingParams:
+    """The caller's params (a copy), made to report the cumulative text at every step."""
+    params = sampling_params.clone() if sampling_params is not None else SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    return params
+
+
+class StreamView(Displayable):
+    """A live view of one request. `await view` (or `await view.result()`) gives the final RequestOutput."""
+
+    def __init__(self, llm, prompt, sampling_params: SamplingParams | None = None, *, markdown: bool = True,
+                 request_id: str | None = None, show_cancel: bool = True, text_css: str = "",
+                 on_final: Callable[[RequestOutput | None], None] | None = None) -> None:
+        loop = _running_loop()
+        self._llm = llm
+        # Started before any widget exists: a bad prompt raises here and leaves nothing behind.
+        self._stream = llm.stream(engine_prompt(llm, prompt), streaming_params(sampling_params), request_id=request_id)
+        self.request_id: str = self._stream.request_id
+        self._to_html = markdown_to_html if markdown else plain_to_html
+        self._text_css = text_css
+        self._on_final = on_final
+        self._started = time.monotonic()
+        self._latest: RequestOutput | None = None
+
+        self.text = widgets.HTML(self._wrap(""))
+        self.text.add_class("pagednb-stream-text")
+        self.status = widgets.Label("waiting for the first token…")
+        self.status.add_class("pagednb-status")
+        self.cancel_button = widgets.Button(description="Cancel", icon="stop", button_style="warning",
+                                            layout=widgets.Layout(width="auto"))
+        self.cancel_button.add_class("pagednb-cancel")
+        self.cancel_button.on_click(lambda _button: self.cancel())
+        footer = [self.cancel_button, self.status] if show_cancel else [self.status]
+        self.widget = widgets.VBox([self.text, widgets.HBox(footer, layout=widgets.Layout(align_items="center"))])
+        self.widget.add_class("pagednb-stream")
+
+        self._text_throttle = Throttle(TEXT_HZ, loop=loop)
+        self._status_throttle = Throttle(STATUS_HZ, loop=loop)
+        self._future: asyncio.Future[RequestOutput] = loop.create_future()
+        self._future.add_done_callback(_mark_retrieved)  # a failure is shown in the view; no stray log
+        self._task = loop.create_task(self._consume(), name=f"pagednb-stream-view-{self.request_id}")
+
+    # ---- the handle --------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Aborts the request in the engine (its KV blocks are freed at the next step boundary). Safe
+        from any thread; the view shows finish_reason "abort" when the engine confirms."""
+        if not self._future.done():
+            self._llm.abort(self.request_id)
+
+    @property
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> asyncio.Future[RequestOutput]:
+        """The final RequestOutput, as a future (raises the engine's error if the request failed)."""
+        return self._future
+
+    def __await__(self):
+        return self._future.__await__()
+
+    def __repr__(self) -> str:
+        return f"StreamView(request_id={self.request_id!r}, {'done' if self.done else 'running'})"
+
+    # ---- the background task -----------------------------------------------------------------------
+    async def _consume(self) -> None:
+        final = None
+        try:
+            async for out in self._stream:
+                self._latest = final = out
+                self._text_throttle.request(self._render_text)
+                self._status_throttle.request(self._render_status)
+        except asyncio.CancelledError:  # the loop is shutting down; the stream has aborted the request
+            self._finish(final, "cancelled")
+            self._future.cancel()
+            raise
+        except Exception as error:  # the engine failed this request
+            self._finish(final, f"error: {error}")
+            self._future.set_exception(error)
+            return
+        self._finish(final, None)
+        self._future.set_result(final)
+
+    def _finish(self, final: RequestOutput | None, problem: str | None) -> None:
+        """The last render, always sent: full text, final status, Cancel disabled."""
+        self._text_throttle.flush(self._render_text)
+        self._status_throttle.flush(lambda: self._render_status(problem))
+        self._text_throttle.close()
+        self._status_throttle.close()
+        BUDGET.take(1)
+        self.cancel_button.disabled = True
+        if self._on_final is not None:
+            self._on_final(final)
+
+    # ---- rendering (loop thread only) --------------------------------------------------------------
+    def _wrap(self, body: str) -> str:
+        return f'<div style="{self._text_css}">{body}</div>' if self._text_css else body
+
+    def _render_text(self) -> None:
+        out = self._latest
+        self.text.value = self._wrap(self._to_html(out.outputs[0].text if out and out.outputs else ""))
+
+    def _render_status(self, problem: str | None = None) -> None:
+        self.status.value = status_line(self._latest, time.monotonic() - self._started, problem)
+
+
+def status_line(out: RequestOutput | None, elapsed: float, problem: str | None = None) -> str:
+    """"12 tokens · 250.3 tok/s · TTFT 4 ms[ · prefix cache 32/40] · <finish_reason or 'generating'>"."""
+    if out is None or not out.outputs:
+        return problem or "waiting for the first token…"
+    completion = out.outputs[0]
+    n = len(completion.token_ids)
+    parts = [f"{n} tokens", f"{n / max(elapsed, 1e-6):.1f} tok/s"]
+    ttft = out.metrics.time_to_first_token if out.metrics is not None else None
+    if ttft is not None:
+        parts.append(f"TTFT {ttft * 1e3:.0f} ms")
+    if out.num_cached_tokens:
+        parts.append(f"prefix cache {out.num_cached_tokens}/{len(out.prompt_token_ids)} prompt tokens")
+    parts.append(problem or completion.finish_reason or "generating…")
+    return " · ".join(parts)
+
+
+def _mark_retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError("pagednb's notebook views stream in the background on a running event loop: use them "
+                           "in a Jupyter cell (or inside `async def` code run by asyncio)") from None
+
+
+def stream(llm, prompt, sampling_params: SamplingParams | None = None, *, markdown: bool = True,
+           display: bool = True) -> StreamView:
+    """Streams one reply into the cell (rendered Markdown, or plain text with markdown=False) with a
+    Cancel button and a status line; returns at once. `out = await stream(...)` waits for the end.
+
+    `prompt` is anything `llm.stream` takes, or a list of chat messages (templated like `llm.chat`)."""
+    view = StreamView(llm, prompt, sampling_params, markdown=markdown)
+    if display:
+        view.show()
+    return view

@@ -1,0 +1,363 @@
+"""The notebook views (pagednb.notebook) in-process on the CPU: ipywidgets works without a frontend, and
+every message a widget would send to the browser is counted by patching `Widget._send`."""
+import asyncio
+import html
+import re
+import threading
+import time
+
+import ipywidgets as widgets
+import pytest
+import torch
+
+from pagednb import LLM, SamplingParams
+from pagednb.notebook import ChatView, PoolView, StreamView, chat, pool_view, stream
+from pagednb.notebook.block_map import MAX_CELLS, BlockMapRenderer, aggregate, request_colour
+from pagednb.notebook.markdown import markdown_to_html, plain_to_html
+from pagednb.notebook.throttle import MessageBudget, Throttle
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about a dog named Max."}]
+LONG = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Quick steps even on a shared 2-core CPU (two OpenMP threads fighting other processes crawl), so
+    the streams really are faster than the text throttle."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(num_kv_blocks=256) as model:
+        yield model
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """Every widget message as (time, widget, state), in order."""
+    log = []
+    real_send = widgets.Widget._send
+
+    def send(self, msg, buffers=None):
+        log.append((time.monotonic(), self, msg.get("state", {})))
+        return real_send(self, msg, buffers)
+    monkeypatch.setattr(widgets.Widget, "_send", send)
+    return log
+
+
+def text_updates(log, widget):
+    return [(t, state["value"]) for t, w, state in log if w is widget and "value" in state]
+
+
+async def until(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+# ---- stream() ---------------------------------------------------------------------------------------
+def test_stream_text_grows_to_the_final_output_and_the_status_says_how_it_ended(llm, sent):
+    async def main():
+        view = stream(llm, MESSAGES, SamplingParams(max_tokens=120, temperature=0), markdown=False, display=False)
+        assert isinstance(view, StreamView) and not view.done
+        out = await view
+        return view, out
+    view, out = asyncio.run(main())
+    assert view.done and view.result().result() is out
+    text = out.outputs[0].text
+    assert len(text) > 50
+    updates = [html.unescape(v) for _, v in text_updates(sent, view.text)]
+    assert len(updates) >= 3
+    assert all(len(a) <= len(b) for a, b in zip(updates, updates[1:])), "text only grows"
+    assert view.text.value == plain_to_html(text)  # the final flush landed
+    status = view.status.value
+    assert re.search(r"\d+(\.\d+)? tok/s", status) and f"{len(out.outputs[0].token_ids)} tokens" in status
+    assert status.endswith(out.outputs[0].finish_reason) and "TTFT" in status
+    assert view.cancel_button.disabled
+
+
+def test_stream_renders_markdown_safely(llm):
+    async def main():
+        return await stream(llm, MESSAGES, SamplingParams(max_tokens=30, temperature=0), display=False)
+    # the rendering itself, on hostile input
+    rendered = markdown_to_html('**bold** <script>alert(1)</script> `a<b`\n\n- item\n```\nx < y')
+    assert "<script>" not in rendered and "&lt;script&gt;" in rendered
+    assert "<strong>bold</strong>" in rendered and "<code>a&lt;b</code>" in rendered
+    assert "<li>item</li>" in rendered and "<pre><code>x &lt; y</code></pre>" in rendered
+    assert 'href="javascript' not in markdown_to_html("[x](javascript:alert(1))")
+    assert '"' not in markdown_to_html('[x](https://e.com/"onmouseover=1)').split('href="')[1].split('"')[0]
+    out = asyncio.run(main())
+    assert out.outputs[0].text
+
+
+@pytest.mark.parametrize("from_thread", [False, True])
+def test_cancel_button_aborts_the_request_in_the_engine(llm, from_thread):
+    async def main():
+        view = stream(llm, MESSAGES, LONG, display=False)
+        await until(lambda: view._latest is not None and len(view._latest.outputs[0].token_ids) >= 5)
+        assert llm.stats()["used_blocks"] > 0
+        if from_thread:  # ipykernel 7.0-7.3 may run button handlers on another thread
+            clicker = threading.Thread(target=view.cancel_button.click)
+            clicker.start()
+            clicker.join()
+        else:
+            view.cancel_button.click()
+        out = await view
+        return view, out, llm.stats()
+    view, out, stats = asyncio.run(main())
+    assert out.outputs[0].finish_reason == "abort"
+    assert len(out.outputs[0].token_ids) < 400
+    assert stats["used_blocks"] == 0 and stats["running"] == 0
+    assert view.status.value.endswith("abort")
+
+
+def test_cancel_method_and_await_after_the_end(llm):
+    async def main():
+        view = stream(llm, MESSAGES, LONG, display=False)
+        await asyncio.sleep(0)
+        view.cancel()
+        out = await view
+        view.cancel()  # after the end: a no-op
+        return out, await view.result()
+    out, again = asyncio.run(main())
+    assert out is again and out.outputs[0].finish_reason == "abort"
+
+
+def test_stream_needs_a_running_loop_and_checks_the_prompt_first(llm):
+    with pytest.raises(RuntimeError, match="event loop"):
+        stream(llm, "hello", display=False)
+
+    async def main():
+        with pytest.raises(ValueError):
+            stream(llm, "hello", SamplingParams(max_tokens=10_000, temperature=-1), display=False)
+    asyncio.run(main())
+
+
+# ---- chat() -----------------------------------------------------------------------------------------
+def test_chat_two_turns_reuse_the_prefix_cache(llm):
+    params = SamplingParams(max_tokens=60, temperature=0)
+
+    async def main():
+        view = chat(llm, "You are a storyteller who tells short animal stories.", params, display=False)
+        assert isinstance(view, ChatView)
+        first = view.send("Tell me a story about a dog named Max.")
+        with pytest.raises(RuntimeError, match="still streaming"):
+            view.send("too early")
+        out1 = await first
+        hits_before = llm.stats()["prefix_cache_hit_tokens"]
+        second = view.send("Tell me another one.")
+        out2 = await second
+        return view, first, second, out1, out2, hits_before
+
+    view, first, second, out1, out2, hits_before = asyncio.run(main())
+    tokenizer = llm.get_tokenizer()
+    conversation = view.history[:4]
+    assert [m["role"] for m in view.history] == ["system", "user", "assistant", "user", "assistant"]
+    assert view.history[2]["content"] == out1.outputs[0].text
+    expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert out2.prompt_token_ids == expected  # the template over the whole history
+    assert out2.num_cached_tokens > 0 and llm.stats()["prefix_cache_hit_tokens"] > hits_before
+    # history as bubbles: system, user, assistant, user, assistant
+    assert len(view.history_box.children) == 5
+    assert first.widget in view.history_box.children and second.widget in view.history_box.children
+    assert "Tell me another one." in view.history_box.children[3].value
+    for turn, out in ((first, out1), (second, out2)):
+        assert "TTFT" in turn.status.value and turn.status.value.endswith(out.outputs[0].finish_reason)
+    assert "prefix cache" in second.status.value
+    assert not view.send_button.disabled and view.cancel_button.disabled
+
+
+def test_chat_send_and_cancel_buttons_work_from_another_thread(llm):
+    async def main():
+        view = chat(llm, sampling_params=LONG, display=False)
+        view.input.value = "Tell me a story about a cat named Tom."
+        threading.Thread(target=view.send_button.click).start()
+        await until(lambda: view.turn is not None and view.turn._latest is not None)
+        assert view.input.value == "" and view.send_button.disabled
+        threading.Thread(target=view.cancel_button.click).start()
+        out = await view.turn
+        return view, out, llm.stats()
+    view, out, stats = asyncio.run(main())
+    assert out.outputs[0].finish_reason == "abort" and stats["used_blocks"] == 0
+    assert view.history[-1] == {"role": "assistant", "content": out.outputs[0].text}
+
+
+# ---- pool_view() ------------------------------------------------------------------------------------
+def map_counts(html_value):
+    grid = html_value.split('class="pagednb-grid">')[1].split("</div>")[0]
+    return {"used": len(re.findall(r'<i class="(?:o\d+|u)"', grid)), "cached": grid.count('<i class="c">'),
+            "free": grid.count("<i></i>")}
+
+
+def test_pool_view_shows_the_pool(llm):
+    async def main():
+        view = pool_view(llm, display=False)
+        assert isinstance(view, PoolView) and view.live
+        a = stream(llm, MESSAGES, LONG, display=False)
+        b = stream(llm, "Once upon a time", LONG, display=False)
+        await until(lambda: a._latest is not None and b._latest is not None)
+        view.refresh()
+        stats, blocks = llm.stats(), llm.block_map()  # same moment: nothing steps in between
+        snapshot = (view.used.value, view.activity.value, view.block_map.value, view.usage_bar.value)
+        a.cancel(), b.cancel()
+        await a, await b
+        await asyncio.sleep(view.interval * 2.5)  # the live task catches up on its own
+        live = view.used.value
+        view.stop()
+        await asyncio.sleep(0)
+        return view, stats, blocks, snapshot, live, (a.request_id, b.request_id)
+
+    view, stats, blocks, (used, activity, block_html, usage), live, ids = asyncio.run(main())
+    assert stats["used_blocks"] > 0
+    assert f"used {stats['used_blocks']} " in used
+    assert f"free {stats['free_blocks']} ({stats['cached_blocks']} cached) of {stats['num_blocks']} blocks" in used
+    assert usage == pytest.approx(stats["kv_usage"], abs=1e-4)
+    assert f"running {stats['running']} " in activity and "tok/s" in activity and "prefix-cache hits" in activity
+    counts = map_counts(block_html)
+    assert counts == {s: sum(1 for state, _ in blocks if state == s) for s in ("used", "cached", "free")}
+    for rid in ids:  # each running request has its own colour rule
+        assert request_colour(rid) in block_html
+    assert live.startswith("used 0 ")  # after the cancels, without an explicit refresh
+    assert not view.live
+
+
+def test_pool_view_without_a_loop_is_a_snapshot(llm):
+    view = pool_view(llm, display=False)
+    assert not view.live and view.used.value.startswith("used ")
+    view.stop()
+
+
+def test_big_pools_are_drawn_with_a_bounded_number_of_cells():
+    blocks = [("used", "r1")] * 3000 + [("cached", None)] * 1000 + [("free", None)] * 4192
+    cells, group = aggregate(blocks)
+    assert len(cells) <= MAX_CELLS and group == 4
+    page = BlockMapRenderer().render(blocks)
+    assert page.count("<i") == len(cells) + 0 and "each cell shows 4 blocks" in page
+    assert len(page) < 120_000
+    assert request_colour("r1") == request_colour("r1") != request_colour("r2")
+
+
+# ---- update rates -----------------------------------------------------------------------------------
+def test_text_updates_stay_under_30_per_second_and_the_last_one_lands(llm, sent):
+    async def main():
+        start = time.monotonic()
+        view = stream(llm, MESSAGES, SamplingParams(max_tokens=480, ignore_eos=True, temperature=0), display=False)
+        out = await view
+        return view, out, time.monotonic() - start
+    view, out, elapsed = asyncio.run(main())
+    steps = len(out.outputs[0].token_ids)
+    updates = text_updates(sent, view.text)
+    assert steps > 2 * 30 * elapsed, "the stream must be fast enough to need throttling"
+    assert len(updates) <= 30 * elapsed + 2, (len(updates), elapsed)
+    assert max_in_window(updates, 1.0) <= 32
+    assert updates[-1][1] == markdown_to_html(out.outputs[0].text)
+
+
+def test_all_views_together_stay_under_200_messages_per_second(llm, sent):
+    async def main():
+        view = pool_view(llm, refresh_hz=5, display=False)
+        views = [stream(llm, MESSAGES, SamplingParams(max_tokens=300, ignore_eos=True, temperature=0, seed=i),
+                        display=False) for i in range(8)]
+        start = len(sent)
+        outs = [await v for v in views]
+        view.stop()
+        return views, outs, sent[start:]
+    views, outs, log = asyncio.run(main())
+    assert max_in_window(log, 1.0) <= 200 + 3 * 8  # ~200/s, and the final flushes that may not wait
+    for v, out in zip(views, outs):
+        assert v.text.value == markdown_to_html(out.outputs[0].text)
+        assert v.status.value.endswith("length")
+
+
+def max_in_window(events, window):
+    times = [e[0] for e in events]
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] > window:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def test_throttle_renders_the_latest_state_at_most_hz_times_and_flushes():
+    async def main():
+        seen = []
+        throttle = Throttle(hz=20, budget=MessageBudget(rate=1000))
+        start = time.monotonic()
+        for i in range(200):
+            throttle.request(lambda i=i: seen.append(i))
+            await asyncio.sleep(0.0025)
+        elapsed = time.monotonic() - start
+        await asyncio.sleep(0.1)  # the trailing render lands without a further request
+        trailing = list(seen)
+        throttle.flush(lambda: seen.append("final"))
+        return trailing, seen, elapsed
+    trailing, seen, elapsed = asyncio.run(main())
+    assert 5 <= len(trailing) <= 20 * elapsed + 2 and trailing == sorted(trailing)
+    assert trailing[-1] == 199  # the latest state, not a stale one
+    assert seen[-1] == "final"
+
+
+# ---- in a real kernel -------------------------------------------------------------------------------
+KERNEL_CELL = """
+import torch
+torch.set_num_threads(1)
+from pagednb import LLM, SamplingParams
+from pagednb.notebook import pool_view, stream
+llm = LLM(num_kv_blocks=1024)
+pool = pool_view(llm)
+views = [stream(llm, [{"role": "user", "content": "Tell me a story about a dog named Max."}],
+                SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.8, seed=i)) for i in range(8)]
+outs = [await v for v in views]
+pool.stop()
+import hashlib
+print("ids", *[v.text.model_id for v in views])
+print("finals", *[hashlib.sha1(v.text.value.encode()).hexdigest() for v in views])
+print("reasons", *[o.outputs[0].finish_reason for o in outs])
+"""
+
+
+@pytest.mark.slow
+def test_in_a_kernel_the_views_send_at_most_about_200_messages_per_second():
+    """The comm messages as they leave a real ipykernel on IOPub (what jupyter_server rate-limits)."""
+    import datetime
+    import hashlib
+    import os
+
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3", env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    messages, stdout = [], []
+
+    def hook(msg):
+        if msg["msg_type"] == "comm_msg" and msg["content"]["data"].get("method") == "update":
+            messages.append(msg)
+        elif msg["msg_type"] == "stream":
+            stdout.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            stdout.append("\n".join(msg["content"]["traceback"]))
+    try:
+        reply = client.execute_interactive(KERNEL_CELL, timeout=300, output_hook=hook)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    text = "".join(stdout)
+    assert reply["content"]["status"] == "ok", text
+    assert "reasons " + " ".join(["length"] * 8) in text
+    ids = text.split("ids ")[1].split("\n")[0].split()
+    finals = text.split("finals ")[1].split("\n")[0].split()
+    times = [datetime.datetime.fromisoformat(str(m["header"]["date"])).timestamp() for m in messages]
+    sent = [(t,) for t in sorted(times)]
+    assert len(sent) > 100
+    assert max_in_window(sent, 1.0) <= 200 + 3 * 8
+    for model_id, final in zip(ids, finals):  # each stream's final text went out on IOPub
+        updates = [m for m in messages if m["content"]["comm_id"] == model_id and "value" in m["content"]["data"]["state"]]
+        assert hashlib.sha1(updates[-1]["content"]["data"]["state"]["value"].encode()).hexdigest() == final
+        per_second = len(updates) / (max(times) - min(times))
+        assert per_second <= 31
