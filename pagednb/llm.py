@@ -137,6 +137,11 @@ class LLM:
         """Pool and scheduler counters: blocks used/free/cached, running/waiting, preemptions, hits."""
         return self.engine.stats()
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may have."""
+        return self.engine.max_model_len
+
     def block_map(self) -> list[tuple[str, str | None]]:
         """Each KV block's state in block-id order: ("used", owning request id), ("cached", None) or
         ("free", None). What the notebook's pool view draws."""

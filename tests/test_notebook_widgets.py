@@ -361,3 +361,18 @@ def test_in_a_kernel_the_views_send_at_most_about_200_messages_per_second():
         assert hashlib.sha1(updates[-1]["content"]["data"]["state"]["value"].encode()).hexdigest() == final
         per_second = len(updates) / (max(times) - min(times))
         assert per_second <= 31
+
+
+def test_chat_turns_shrink_max_tokens_to_the_room_left_in_max_model_len():
+    from pagednb.notebook import chat
+    llm = LLM(num_kv_blocks=64, max_model_len=64)
+    try:
+        async def main():
+            view = chat(llm, sampling_params=SamplingParams(temperature=0, max_tokens=400), display=False)
+            out = await view.send("Tell me a story about a cat named Tom.")
+            return out
+        out = asyncio.run(main())
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) <= 64
+        assert out.outputs[0].finish_reason in ("stop", "length")
+    finally:
+        llm.close()

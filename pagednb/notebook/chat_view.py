@@ -17,7 +17,7 @@ import ipywidgets as widgets
 from pagednb.notebook.display import Displayable
 from pagednb.notebook.markdown import escape
 from pagednb.notebook.prompts import chat_prompt_ids
-from pagednb.notebook.stream_view import StreamView, _running_loop
+from pagednb.notebook.stream_view import DEFAULT_MAX_TOKENS, StreamView, _running_loop
 from pagednb.notebook.throttle import BUDGET
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import SamplingParams
@@ -42,7 +42,8 @@ class ChatView(Displayable):
         self.history: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.turn: StreamView | None = None  # the latest assistant turn
 
-        self.history_box = widgets.VBox([], layout=widgets.Layout(max_height="480px", overflow="auto"))
+        # display "block" so a long history scrolls; a flex column would squeeze the bubbles instead
+        self.history_box = widgets.VBox([], layout=widgets.Layout(max_height="480px", overflow="auto", display="block"))
         self.history_box.add_class("pagednb-chat-history")
         if system_prompt:
             self.history_box.children = (_bubble(f"<i>system:</i> {escape(system_prompt)}", _BUBBLE + "background:#fef3c7;"),)
@@ -75,7 +76,7 @@ class ChatView(Displayable):
         self.history.append({"role": "user", "content": text})
         try:
             ids = chat_prompt_ids(self._tokenizer, self.history)
-            turn = StreamView(self._llm, {"prompt_token_ids": ids}, self._params, show_cancel=False,
+            turn = StreamView(self._llm, {"prompt_token_ids": ids}, self._params_for(len(ids)), show_cancel=False,
                               text_css=ASSISTANT_CSS, on_final=self._on_final)
         except Exception:
             self.history.pop()  # the turn never started: the conversation stays as it was
@@ -86,6 +87,16 @@ class ChatView(Displayable):
         self.send_button.disabled = True
         self.cancel_button.disabled = False
         return turn
+
+    def _params_for(self, num_prompt_tokens: int):
+        """The turn's sampling params, its max_tokens shrunk to the room left in max_model_len."""
+        room = self._llm.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(f"the conversation is full: {num_prompt_tokens} tokens of max_model_len "
+                             f"{self._llm.max_model_len}; start a new chat()")
+        params = self._params.clone() if self._params is not None else SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+        params.max_tokens = min(params.max_tokens or room, room)
+        return params
 
     def cancel(self) -> None:
         """Stops the streaming reply (safe from any thread); what it said so far stays in the history."""

@@ -136,7 +136,7 @@ def status_line(out: RequestOutput | None, elapsed: float, problem: str | None =
         return problem or "waiting for the first token…"
     completion = out.outputs[0]
     n = len(completion.token_ids)
-    parts = [f"{n} tokens", f"{n / max(elapsed, 1e-6):.1f} tok/s"]
+    parts = [f"{n} token{'' if n == 1 else 's'}", f"{n / max(elapsed, 1e-6):.1f} tok/s"]
     ttft = out.metrics.time_to_first_token if out.metrics is not None else None
     if ttft is not None:
         parts.append(f"TTFT {ttft * 1e3:.0f} ms")
