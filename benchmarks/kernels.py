@@ -3,14 +3,15 @@
 Rows (32 q / 8 kv heads x 128, bf16, block size 16, shuffled blocks):
   decode B=64 T=4096 and B=256 T=1024   target: time within 1.1x of SDPA's
   decode B=1 T=32768 (split-K)          target: >= 2,500 GB/s of K+V read
-  prefill chunk 2048 over 2048 cached   target: >= 60% of SDPA's causal throughput (TFLOP/s); SDPA runs
+  prefill chunk 2048 over 2048 cached   target: >= 60% of SDPA's causal throughput (TFLOP/s), SDPA left
+                                        to its own backend choice (flash reported beside it); SDPA runs
                                         causal self-attention over 4096 tokens, whose last 2048 rows are
-                                        exactly this chunk's work
+                                        exactly this chunk's work; --prefill-variants times other variants
   cache write, 32768 tokens             target: >= 80% of copy bandwidth (read + write), copy measured here
 Timing: each variant is captured in a CUDA graph and replayed back to back, rotating between input sets
 whose total exceeds the 60 MB L2 several times where one set does not; one CUDA event per replay, median.
 
-    python benchmarks/kernels.py [--reps 30]
+    python benchmarks/kernels.py [--reps 30] [--prefill-variants 0,10] [--only prefill]
 """
 from __future__ import annotations
 
@@ -142,7 +143,10 @@ def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
             "partition_tokens": plan[1], "input_sets": n}
 
 
-def bench_prefill(backend, reps: int, gen, variant: int) -> dict:
+def bench_prefill(backend, lib, reps: int, gen, variants: list[int]) -> dict:
+    """Our prefill kernel (each variant; 0 is the default) and SDPA causal over ctx + chunk tokens."""
+    import ctypes
+
     ctx, chunk = 2048, 2048
     T = ctx + chunk
     nb = T // BS
@@ -155,10 +159,16 @@ def bench_prefill(backend, reps: int, gen, variant: int) -> dict:
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
         seq_lens=torch.tensor([T], dtype=torch.int32, device="cuda"), block_tables=tables,
         max_query_len=chunk, max_seq_len=T, query_start_loc_cpu=starts, seq_lens_cpu=[T])
-    backend.prefill_variant = variant
-    ours = time_ms([lambda: backend.attend(q, cache, md, D ** -0.5, None)], reps)
-    backend.prefill_variant = 0
     flops = 4 * D * H * sum(ctx + i + 1 for i in range(chunk))
+    by_variant = {}
+    occupancy = getattr(lib, "pagednb_prefill_occupancy", None)
+    for variant in variants:
+        backend.prefill_variant = variant
+        ms = time_ms([lambda: backend.attend(q, cache, md, D ** -0.5, None)], reps)
+        ctas = int(occupancy(ctypes.c_int(2), ctypes.c_int(D), ctypes.c_int(variant))) if occupancy else None
+        by_variant[str(variant)] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "ctas_per_sm": ctas}
+        print(f"  prefill variant {variant}: {ms:.4f} ms, {flops / ms / 1e9:.1f} TFLOP/s, {ctas} CTAs/SM", flush=True)
+    backend.prefill_variant = 0
     qs = torch.randn(1, H, T, D, device="cuda", generator=gen).to(DT)
     ks = torch.randn(1, HKV, T, D, device="cuda", generator=gen).to(DT)
     vs = torch.randn_like(ks)
@@ -166,9 +176,11 @@ def bench_prefill(backend, reps: int, gen, variant: int) -> dict:
     sdpa = time_ms([fn], reps)
     sdpa_default = time_ms([sdpa_call(qs, ks, vs, True, flash=False)[0]], reps)
     sdpa_flops = 4 * D * H * T * (T + 1) / 2
+    ours = by_variant["0"]["ms"] if "0" in by_variant else min(v["ms"] for v in by_variant.values())
     return {"ours_ms": ours, "sdpa_ms": sdpa, "sdpa_backend": kind, "sdpa_default_ms": sdpa_default,
             "sdpa_default_TFLOPs": sdpa_flops / sdpa_default / 1e9, "ours_TFLOPs": flops / ours / 1e9,
-            "sdpa_TFLOPs": sdpa_flops / sdpa / 1e9, "flops": flops, "sdpa_flops": sdpa_flops, "variant": variant}
+            "sdpa_TFLOPs": sdpa_flops / sdpa / 1e9, "flops": flops, "sdpa_flops": sdpa_flops,
+            "variants": by_variant}
 
 
 def bench_write(backend, reps: int, gen) -> dict:
@@ -198,7 +210,11 @@ def bench_write(backend, reps: int, gen) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prefill-variants", default="0,10",
+                    help="prefill kernel variants to time (0: the default; see kernels_cuda/prefill.cuh)")
+    ap.add_argument("--only", choices=["prefill"], help="time only these rows (no JSON written)")
     args = ap.parse_args()
+    variants = [int(v) for v in args.prefill_variants.split(",") if v.strip()]
     from pagednb.attention.cuda_backend import CudaPagedBackend
     from pagednb.attention.jit import load_error, load_kernels
     lib = load_kernels()
@@ -207,21 +223,26 @@ def main() -> None:
     backend = CudaPagedBackend(lib)
     gen = torch.Generator(device="cuda").manual_seed(0)
     res: dict = {}
+    if args.only == "prefill":
+        r = bench_prefill(backend, lib, args.reps, gen, variants)
+        print(f"prefill: {r}")
+        print(f"SDPA flash {r['sdpa_TFLOPs']:.1f}, default {r['sdpa_default_TFLOPs']:.1f} TFLOP/s; ours (v0) "
+              f"{r['ours_TFLOPs']:.1f} = {100 * r['ours_TFLOPs'] / r['sdpa_default_TFLOPs']:.0f}% of default")
+        return
     for B, T in [(64, 4096), (256, 1024), (1, 32768)]:
         res[f"decode_B{B}_T{T}"] = r = bench_decode(backend, B, T, args.reps, gen)
         print(f"decode B={B} T={T}: {r}", flush=True)
-    for variant in (0, 1):
-        res[f"prefill_2048_over_2048_v{variant}"] = r = bench_prefill(backend, args.reps, gen, variant)
-        print(f"prefill variant {variant}: {r}", flush=True)
+    res["prefill_2048_over_2048"] = r = bench_prefill(backend, lib, args.reps, gen, variants)
+    print(f"prefill: {r}", flush=True)
     res["cache_write_32768"] = r = bench_write(backend, args.reps, gen)
     print(f"cache write: {r}", flush=True)
 
     rows, targets = [], {}
 
-    def add(name, r, metric, ours_v, ref_v, target, met):
+    def add(name, r, metric, ours_v, ref_v, target, met, ref_ms=None):
         targets[name] = {"target": target, "met": bool(met)}
-        rows.append([name, r["ours_ms"], r.get("sdpa_ms", r.get("copy_ms")), metric, ours_v, ref_v, target,
-                     "yes" if met else "NO"])
+        ref_ms = ref_ms if ref_ms is not None else r.get("sdpa_ms", r.get("copy_ms"))
+        rows.append([name, r["ours_ms"], ref_ms, metric, ours_v, ref_v, target, "yes" if met else "NO"])
 
     for B, T in [(64, 4096), (256, 1024)]:
         r = res[f"decode_B{B}_T{T}"]
@@ -232,14 +253,19 @@ def main() -> None:
         targets[f"decode B={B} T={T}"]["vs_sdpa_default"] = {"ratio": ratio_default, "met": ratio_default <= 1.1}
     r = res["decode_B1_T32768"]
     add("decode B=1 T=32768", r, "GB/s", r["ours_GBps"], r["sdpa_GBps"], ">= 2500 GB/s", r["ours_GBps"] >= 2500)
-    for variant in (0, 1):
-        r = res[f"prefill_2048_over_2048_v{variant}"]
-        frac = r["ours_TFLOPs"] / r["sdpa_TFLOPs"]
-        frac_default = r["ours_TFLOPs"] / r["sdpa_default_TFLOPs"]
-        add(f"prefill 2048/2048 v{variant}", r, "TFLOP/s", r["ours_TFLOPs"], r["sdpa_TFLOPs"],
-            f">= 60% SDPA flash ({100 * frac:.0f}%; default {100 * frac_default:.0f}%)", frac >= 0.6)
-        targets[f"prefill 2048/2048 v{variant}"]["vs_sdpa_default"] = {"fraction": frac_default,
-                                                                       "met": frac_default >= 0.6}
+    r = res["prefill_2048_over_2048"]
+    frac = r["ours_TFLOPs"] / r["sdpa_TFLOPs"]
+    frac_default = r["ours_TFLOPs"] / r["sdpa_default_TFLOPs"]
+    # the bar: 60% of SDPA's own choice (its fastest backend on this GPU); flash is reported beside it
+    add("prefill 2048/2048", r, "TFLOP/s", r["ours_TFLOPs"], r["sdpa_default_TFLOPs"],
+        f">= 60% SDPA default ({100 * frac_default:.0f}%; flash {100 * frac:.0f}%)", frac_default >= 0.6,
+        ref_ms=r["sdpa_default_ms"])
+    targets["prefill 2048/2048"]["vs_sdpa_flash"] = {"fraction": frac, "met": frac >= 0.6}
+    for v, rv in r["variants"].items():
+        if v != "0":
+            rows.append([f"  prefill variant {v}", rv["ms"], r["sdpa_default_ms"], "TFLOP/s", rv["TFLOPs"],
+                         r["sdpa_default_TFLOPs"],
+                         f"{rv['ctas_per_sm']} CTAs/SM" if (rv["ctas_per_sm"] or 0) > 0 else "(first kernel)", "-"])
     r = res["cache_write_32768"]
     frac = r["ours_GBps"] / max(r["copy_GBps"], 4285.0)  # measured copy, or the 4,285 GB/s anchor if higher
     add("cache write 32768 tok", r, "GB/s", r["ours_GBps"], r["copy_GBps"], f">= 80% copy ({100 * frac:.0f}%)",

@@ -84,6 +84,14 @@ int pagednb_prefill_attention(int dtype, int head_dim, const AttnParams* p, void
                                     : pagednb::launch_prefill_bf16(head_dim, *p, stream);
 }
 
+// Resident prefill CTAs per SM for (dtype, head_dim, variant): the benchmark reports it.
+int pagednb_prefill_occupancy(int dtype, int head_dim, int variant) {
+  if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
+  if (!supported_head_dim(head_dim)) return -1;
+  return dtype == pagednb::kFloat16 ? pagednb::occupancy_prefill_f16(head_dim, variant)
+                                    : pagednb::occupancy_prefill_bf16(head_dim, variant);
+}
+
 int pagednb_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
                      void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,
                      int64_t row_bytes, void* stream) {

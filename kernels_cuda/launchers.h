@@ -32,7 +32,7 @@ struct AttnParams {
   int max_query_len;         // prefill kernel: rows of the longest chunk
   int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
   float scale_log2;          // softmax scale * log2(e)
-  int variant;               // prefill tile variant (0: default; benchmarks only)
+  int variant;               // prefill kernel variant (0: default; benchmarks only, see prefill.cuh)
   int row_variant;           // row kernel: 1 = cp.async ring (default for 16-bit types), 0 = direct loads
 };
 
@@ -47,6 +47,8 @@ int occupancy_row_bf16(int head_dim, int gmax, int variant);
 // Tensor-core prefill kernel (prefill_<dtype>.cu):
 int launch_prefill_f16(int head_dim, const AttnParams& p, void* stream);
 int launch_prefill_bf16(int head_dim, const AttnParams& p, void* stream);
+int occupancy_prefill_f16(int head_dim, int variant);  // resident CTAs per SM (benchmarks)
+int occupancy_prefill_bf16(int head_dim, int variant);
 
 int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
                     void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,

@@ -1,33 +1,54 @@
 // Prefill-chunk attention over the paged cache on tensor cores (mma.sync m16n8k16, bf16/fp16 in,
 // fp32 accumulate), FlashAttention-2 style. One CTA per (query head, tile of BM query rows, sequence);
-// each warp owns 16 query rows. K/V tiles of BN tokens are gathered from the cache through the block
-// table with cp.async into padded shared memory, double-buffered, and read with ldmatrix (V with
-// .trans). The chunk's queries see every cached token of their sequence plus themselves causally
-// (and no further back than the sliding window); masks are applied only on tiles that need them.
+// each warp owns MT x 16 consecutive query rows (head_dim 128: 4 warps x 32 rows, two CTAs per SM, so
+// one CTA's softmax overlaps the other's matrix products). K/V tiles of BN tokens are gathered from
+// the cache through the block table with cp.async into padded shared memory (row stride D + 8: the
+// ldmatrix reads are conflict-free), double-buffered, and read with ldmatrix (V with .trans); each K/V
+// fragment serves the warp's MT row blocks. The chunk's queries see every cached token of their
+// sequence plus themselves causally (and no further back than the sliding window); masks are applied
+// only on tiles that need them, and a warp skips the tiles that none of its rows can see.
+// Softmax: scores in log2 units (scale * log2 e folded into one FFMA before ex2.approx); the running
+// max is only raised when a tile's max exceeds it by more than 2^8 (the stale max keeps every p under
+// 256, exact after the final division), so the O rescale is skipped on almost every tile.
+// The output goes through shared memory (the warp's own Q rows) so that global stores are 16 bytes.
 // Sequences with query_len == 1 are left to the row (decode) kernel.
 #pragma once
 
+#include <type_traits>
+
 #include "common.cuh"
 #include "launchers.h"
+#include "prefill_legacy.cuh"
 
 namespace pagednb {
 
-template <int D, int BM_>
-struct PrefillCfg {
-  static constexpr int BM = BM_;                  // query rows per CTA (128, or 64 for D = 256)
-  static constexpr int BN = D <= 128 ? 64 : 32;   // keys per tile
-  static constexpr int NW = BM / 16;
+// NW warps of MT x 16 rows, BN keys per tile, Q fragments in registers (QREG) or re-read from shared
+// memory per tile, MINB CTAs per SM asked of the compiler (register cap).
+template <int D, int NW_, int MT_, int BN_, bool QREG_, int MINB_>
+struct PfCfg {
+  static constexpr int NW = NW_, MT = MT_, BN = BN_, MINB = MINB_;
+  static constexpr bool QREG = QREG_;
+  static constexpr int WR = 16 * MT;  // rows per warp
+  static constexpr int BM = NW * WR;  // rows per CTA
   static constexpr int NT = NW * 32;
-  static constexpr int LDS = D + 8;               // smem row stride (elements): +16 B, no ldmatrix conflicts
-  static constexpr bool QREG = D <= 128;          // Q fragments live in registers
-  static constexpr int SMEM = (BM + 4 * BN) * LDS * 2;
+  static constexpr int LDS = D + 8;   // smem row stride (elements): +16 B, no ldmatrix conflicts
+  static constexpr int SMEM = (BM + 4 * BN) * LDS * 2 + 2 * BN * 4;  // + the row table
 };
 
-template <typename T, int D, int BM_>
-__global__ void __launch_bounds__(PrefillCfg<D, BM_>::NT, 1) prefill_kernel(const AttnParams p) {
-  using C = PrefillCfg<D, BM_>;
-  constexpr int BM = C::BM, BN = C::BN, LDS = C::LDS, NT = C::NT;
-  constexpr int CPR = D / 8;  // 16-byte chunks per row
+// 16 bytes global -> shared, always read (cp_async16 in common.cuh zero-fills when invalid)
+__device__ __forceinline__ void cp_async16_all(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+constexpr float kRescaleLog2 = 8.f;  // raise the running max only when it grows by more than 2^8
+
+template <typename T, int D, class C>
+__global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParams p) {
+  constexpr int BM = C::BM, BN = C::BN, LDS = C::LDS, NT = C::NT, MT = C::MT, WR = C::WR;
+  constexpr int OB = D / 8;     // 8-column blocks of the accumulator
+  constexpr int CPR = D / 8;    // 16-byte chunks per row
+  constexpr int RP = NT / CPR;  // rows copied per pass of the CTA
+  static_assert(NT % CPR == 0 && BN % RP == 0 && BM % RP == 0 && BN <= NT, "copy shape");
 
   const int h = blockIdx.x, s = blockIdx.z;
   const int qs = __ldg(p.qsl + s);
@@ -40,6 +61,7 @@ __global__ void __launch_bounds__(PrefillCfg<D, BM_>::NT, 1) prefill_kernel(cons
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * LDS;
   T* sV = sK + 2 * BN * LDS;
+  uint32_t* rowidx = reinterpret_cast<uint32_t*>(sV + 2 * BN * LDS);  // [2][BN] cache rows of K/V tiles
 
   const int q0 = tile * BM;
   const int rows = min(BM, qlen - q0);
@@ -53,198 +75,321 @@ __global__ void __launch_bounds__(PrefillCfg<D, BM_>::NT, 1) prefill_kernel(cons
   const int nkv = (kv_hi - kt_first + BN - 1) / BN;
   const int kvh = h / p.G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int cr = tid / CPR, cc = (tid % CPR) * 8;  // this thread's first copy row and its column
 
   // Q tile -> smem (rows past the chunk zero-filled)
   {
     const T* qg = reinterpret_cast<const T*>(p.q) + (int64_t)(qs + q0) * p.q_stride_tok +
-                  (int64_t)h * p.q_stride_head;
-    for (int c = tid; c < BM * CPR; c += NT) {
-      const int r = c / CPR, cc = c % CPR;
+                  (int64_t)h * p.q_stride_head + cc;
+#pragma unroll
+    for (int i = 0; i < BM / RP; ++i) {
+      const int r = cr + i * RP;
       const bool ok = r < rows;
-      const T* src = ok ? qg + (int64_t)r * p.q_stride_tok + cc * 8 : qg;
-      cp_async16(sQ + r * LDS + cc * 8, src, ok);
+      cp_async16(sQ + r * LDS + cc, ok ? qg + (int64_t)r * p.q_stride_tok : qg, ok);
     }
     cp_async_commit();
   }
 
+  // K/V rows are gathered through the block table: the cache row of each token of a tile (blk *
+  // block_size + offset) is computed once, by one thread per row, two tiles ahead, into a small table
+  // in shared memory ordered so that each copying thread reads its BN / RP rows contiguously. Tokens
+  // outside [kv_lo, kv_hi) are clamped into it: they are masked (p = 0 exactly) and the row read is a
+  // real one of this sequence, so no block outside the needed range is ever touched.
   const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
-  const T* cache = reinterpret_cast<const T*>(p.cache);
-  const int64_t row_elems = (int64_t)p.Hkv * D;
-  const int bs_mask = (1 << p.bs_log2) - 1;
-  auto load_kv = [&](int j, int buf) {
-    const int kt0 = kt_first + j * BN;
-    T* dk = sK + buf * BN * LDS;
-    T* dv = sV + buf * BN * LDS;
-    for (int c = tid; c < BN * CPR; c += NT) {
-      const int r = c / CPR, cc = c % CPR;
-      const int t = kt0 + r;
-      const bool ok = t >= kv_lo && t < kv_hi;  // never touch blocks outside the needed range
-      const T* src = cache;
-      if (ok) {
-        const int blk = __ldg(bt + (t >> p.bs_log2));
-        src = cache + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_elems + (int64_t)kvh * D + cc * 8;
-      }
-      cp_async16(dk + r * LDS + cc * 8, src, ok);
-      cp_async16(dv + r * LDS + cc * 8, ok ? src + p.v_offset : src, ok);
+  const char* cache = reinterpret_cast<const char*>(p.cache) + ((int64_t)kvh * D + cc) * 2;
+  const uint32_t row_bytes = (uint32_t)p.Hkv * D * 2;
+  const int64_t v_bytes = p.v_offset * 2;
+  const int bs_log2 = p.bs_log2, bs_mask = (1 << bs_log2) - 1;
+  constexpr int RPT = BN / RP;  // rows each thread copies per tile
+  const int prow = tid % BN;    // the row this thread plans (threads tid < BN)
+  uint32_t* const plan_slot = rowidx + (prow % RP) * RPT + prow / RP;
+  auto plan_blk = [&](int j) {  // block id of this thread's (clamped) token of tile j
+    const int t = min(max(kt_first + j * BN + prow, kv_lo), kv_hi - 1);
+    return __ldg(bt + (t >> bs_log2));
+  };
+  auto plan_store = [&](int j, int blk, int buf) {
+    const int t = min(max(kt_first + j * BN + prow, kv_lo), kv_hi - 1);
+    plan_slot[buf * BN] = ((uint32_t)blk << bs_log2) + (uint32_t)(t & bs_mask);
+  };
+  auto load_kv = [&](int buf) {
+    T* dk = sK + buf * BN * LDS + cc;
+    T* dv = sV + buf * BN * LDS + cc;
+    uint32_t ri[RPT];
+    const uint32_t* ro = rowidx + buf * BN + cr * RPT;
+    if constexpr (RPT % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < RPT; i += 4) *reinterpret_cast<uint4*>(ri + i) = *reinterpret_cast<const uint4*>(ro + i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) ri[i] = ro[i];
+    }
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const char* src = cache + (uint64_t)ri[i] * row_bytes;
+      cp_async16_all(dk + (cr + i * RP) * LDS, src);
+      cp_async16_all(dv + (cr + i * RP) * LDS, src + v_bytes);
     }
   };
-  load_kv(0, 0);
+  if (tid < BN) {
+    const int b0 = plan_blk(0), b1 = nkv > 1 ? plan_blk(1) : -1;
+    plan_store(0, b0, 0);
+    if (nkv > 1) plan_store(1, b1, 1);
+  }
+  __syncthreads();
+  load_kv(0);
   cp_async_commit();
 
-  // Q fragments (A operand): rows warp*16.., ldmatrix lane address
-  const int a_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-  const int a_col = 8 * (lane >> 4);
-  uint32_t qfrag[C::QREG ? D / 16 : 1][4];
+  const int wr0 = warp * WR;                     // the warp's first row in the tile
+  const int wrows = min(WR, rows - wr0);         // its rows inside the chunk (may be <= 0)
+  const int wpos_first = pos_first + wr0, wpos_last = wpos_first + wrows - 1;
+  const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);  // A (Q) ldmatrix
+  const int k_row = (lane & 7) + 8 * (lane >> 4), k_col = 8 * ((lane >> 3) & 1);  // K ldmatrix
+  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V ldmatrix.trans
+  const T* sQw = sQ + (wr0 + a_row) * LDS + a_col;
+
+  uint32_t qfrag[C::QREG ? MT : 1][C::QREG ? D / 16 : 1][4];
   cp_async_wait<1>();
   __syncthreads();
   if constexpr (C::QREG) {
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) ldmatrix_x4(qfrag[kc], sQ + a_row * LDS + kc * 16 + a_col);
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) ldmatrix_x4(qfrag[mi][kc], sQw + mi * 16 * LDS + kc * 16);
   }
 
-  float o[D / 8][4];
+  float o[MT][OB][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int r_lo = warp * 16 + (lane >> 2);  // this thread's rows: r_lo and r_lo + 8
-  const int k_row = (lane & 7) + 8 * (lane >> 4), k_col = 8 * ((lane >> 3) & 1);   // K ldmatrix
-  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);   // V ldmatrix.trans
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int i = 0; i < OB; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.f;
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.f;
+  const float sl2 = p.scale_log2;
 
   for (int j = 0; j < nkv; ++j) {
-    if (j + 1 < nkv) load_kv(j + 1, (j + 1) & 1);
+    if (j + 1 < nkv) load_kv((j + 1) & 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    const T* kS = sK + (j & 1) * BN * LDS;
-    const T* vS = sV + (j & 1) * BN * LDS;
-
-    float sacc[BN / 8][4];
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-      uint32_t a[4];
-      if constexpr (C::QREG) {
-        a[0] = qfrag[kc][0]; a[1] = qfrag[kc][1]; a[2] = qfrag[kc][2]; a[3] = qfrag[kc][3];
-      } else {
-        ldmatrix_x4(a, sQ + a_row * LDS + kc * 16 + a_col);
-      }
-#pragma unroll
-      for (int nt2 = 0; nt2 < BN / 16; ++nt2) {
-        uint32_t b[4];
-        ldmatrix_x4(b, kS + (nt2 * 16 + k_row) * LDS + kc * 16 + k_col);
-        mma16816<T>(sacc[2 * nt2], a, b[0], b[1]);
-        mma16816<T>(sacc[2 * nt2 + 1], a, b[2], b[3]);
-      }
-    }
-
+    // block id for tile j + 2 now; its offset goes into the table (the slot tile j used) after the math
+    const bool plan = tid < BN && j + 2 < nkv;
+    const int pblk = plan ? plan_blk(j + 2) : -1;
     const int kt0 = kt_first + j * BN;
-    const bool need_mask = (kt0 + BN - 1 > pos_first) || (W > 0 && kt0 < pos_last - W + 1);
-    if (need_mask) {
+    // warp-uniform: does any of this warp's rows see any key of the tile?
+    const bool active = wrows > 0 && kt0 <= wpos_last && (W <= 0 || kt0 + BN - 1 >= wpos_first - W + 1);
+    if (active) {
+      const T* kS = sK + (j & 1) * BN * LDS;
+      const T* vS = sV + (j & 1) * BN * LDS;
+
+      float sc[MT][BN / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
+      for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qpos = pos_first + r_lo + 8 * (e >> 1);
-          const int t = kt0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-          const bool ok = t <= qpos && (W <= 0 || qpos - t < W);
-          sacc[nt][e] = ok ? sacc[nt][e] * p.scale_log2 : -INFINITY;
+        for (int i = 0; i < BN / 8; ++i) sc[mi][i][0] = sc[mi][i][1] = sc[mi][i][2] = sc[mi][i][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          if constexpr (C::QREG) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[mi][e] = qfrag[mi][kc][e];
+          } else {
+            ldmatrix_x4(a[mi], sQw + mi * 16 * LDS + kc * 16);
+          }
         }
-    } else {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
+        for (int nt2 = 0; nt2 < BN / 16; ++nt2) {
+          uint32_t b[4];
+          ldmatrix_x4(b, kS + (nt2 * 16 + k_row) * LDS + kc * 16 + k_col);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[nt][e] *= p.scale_log2;
-    }
-
-    // online softmax, rows r_lo (e = 0, 1) and r_lo + 8 (e = 2, 3); a quad of lanes shares a row
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * rh], sacc[nt][2 * rh + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(m[rh], mx);
-      const float muse = mnew == -INFINITY ? 0.f : mnew;  // a row with nothing visible yet
-      const float alpha = fast_exp2(m[rh] - muse);
-      float rs = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        sacc[nt][2 * rh] = fast_exp2(sacc[nt][2 * rh] - muse);
-        sacc[nt][2 * rh + 1] = fast_exp2(sacc[nt][2 * rh + 1] - muse);
-        rs += sacc[nt][2 * rh] + sacc[nt][2 * rh + 1];
+          for (int mi = 0; mi < MT; ++mi) {
+            mma16816<T>(sc[mi][2 * nt2], a[mi], b[0], b[1]);
+            mma16816<T>(sc[mi][2 * nt2 + 1], a[mi], b[2], b[3]);
+          }
+        }
       }
-      l[rh] = l[rh] * alpha + rs;
-      m[rh] = mnew;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) { o[dt][2 * rh] *= alpha; o[dt][2 * rh + 1] *= alpha; }
-    }
 
-    // O += P V
+      const bool need_mask = (kt0 + BN - 1 > wpos_first) || (W > 0 && kt0 < wpos_last - W + 1);
+      if (need_mask) {
 #pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      uint32_t a[4];
-      a[0] = pack2<T>(sacc[2 * kc][0], sacc[2 * kc][1]);
-      a[1] = pack2<T>(sacc[2 * kc][2], sacc[2 * kc][3]);
-      a[2] = pack2<T>(sacc[2 * kc + 1][0], sacc[2 * kc + 1][1]);
-      a[3] = pack2<T>(sacc[2 * kc + 1][2], sacc[2 * kc + 1][3]);
+        for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-      for (int dt2 = 0; dt2 < D / 16; ++dt2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vS + (kc * 16 + v_row) * LDS + dt2 * 16 + v_col);
-        mma16816<T>(o[2 * dt2], a, b[0], b[1]);
-        mma16816<T>(o[2 * dt2 + 1], a, b[2], b[3]);
+          for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int qpos = wpos_first + mi * 16 + (lane >> 2) + 8 * (e >> 1);
+              const int t = kt0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+              const bool ok = t <= qpos && (W <= 0 || qpos - t < W);
+              if (!ok) sc[mi][nt][e] = -INFINITY;
+            }
+      }
+
+      // online softmax; rows r (e = 0, 1) and r + 8 (e = 2, 3) of each 16-row block; a quad of lanes
+      // shares a row
+      float alpha[MT][2];
+      bool grew = false;
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(sc[mi][nt][2 * rh], sc[mi][nt][2 * rh + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float mold = m[mi][rh];
+          const float mxs = mx * sl2;
+          const float mnew = mxs > mold + kRescaleLog2 ? mxs : mold;
+          const float muse = mnew == -INFINITY ? 0.f : mnew;  // a row with nothing visible yet
+          alpha[mi][rh] = mnew == mold ? 1.f : fast_exp2(mold - muse);
+          grew |= mnew != mold;
+          m[mi][rh] = mnew;
+          float rs = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt) {
+            sc[mi][nt][2 * rh] = fast_exp2(fmaf(sc[mi][nt][2 * rh], sl2, -muse));
+            sc[mi][nt][2 * rh + 1] = fast_exp2(fmaf(sc[mi][nt][2 * rh + 1], sl2, -muse));
+            rs += sc[mi][nt][2 * rh] + sc[mi][nt][2 * rh + 1];
+          }
+          l[mi][rh] = l[mi][rh] * alpha[mi][rh] + rs;
+        }
+      if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int dt = 0; dt < OB; ++dt) {
+            o[mi][dt][0] *= alpha[mi][0]; o[mi][dt][1] *= alpha[mi][0];
+            o[mi][dt][2] *= alpha[mi][1]; o[mi][dt][3] *= alpha[mi][1];
+          }
+      }
+
+      // O += P V
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          a[mi][0] = pack2<T>(sc[mi][2 * kc][0], sc[mi][2 * kc][1]);
+          a[mi][1] = pack2<T>(sc[mi][2 * kc][2], sc[mi][2 * kc][3]);
+          a[mi][2] = pack2<T>(sc[mi][2 * kc + 1][0], sc[mi][2 * kc + 1][1]);
+          a[mi][3] = pack2<T>(sc[mi][2 * kc + 1][2], sc[mi][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int dt2 = 0; dt2 < D / 16; ++dt2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, vS + (kc * 16 + v_row) * LDS + dt2 * 16 + v_col);
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            mma16816<T>(o[mi][2 * dt2], a[mi], b[0], b[1]);
+            mma16816<T>(o[mi][2 * dt2 + 1], a[mi], b[2], b[3]);
+          }
+        }
       }
     }
-    __syncthreads();  // the next iteration's loads overwrite this buffer
+    if (plan) plan_store(j + 2, pblk, j & 1);
+    __syncthreads();  // the next iteration's loads overwrite this buffer and read the new row table
   }
 
-  // normalise and store (two adjacent dims per 32-bit store)
+  // normalise into the warp's own Q rows of shared memory (nothing reads them any more), then store
+  // 16 bytes per lane
+  if (wrows > 0) {
+    T* sO = sQ + wr0 * LDS;
 #pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    float lt = l[rh];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const float inv = 1.f / lt;
-    const int r = r_lo + 8 * rh;
-    if (r < rows) {
-      T* orow = reinterpret_cast<T*>(p.out) + ((int64_t)(qs + q0 + r) * p.H + h) * D + 2 * (lane & 3);
+    for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
-        *reinterpret_cast<uint32_t*>(orow + dt * 8) = pack2<T>(o[dt][2 * rh] * inv, o[dt][2 * rh + 1] * inv);
+      for (int rh = 0; rh < 2; ++rh) {
+        float lt = l[mi][rh];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        const float inv = 1.f / lt;
+        T* orow = sO + (mi * 16 + (lane >> 2) + 8 * rh) * LDS + 2 * (lane & 3);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+          *reinterpret_cast<uint32_t*>(orow + dt * 8) = pack2<T>(o[mi][dt][2 * rh] * inv, o[mi][dt][2 * rh + 1] * inv);
+      }
+    __syncwarp();
+    T* og = reinterpret_cast<T*>(p.out) + ((int64_t)(qs + q0 + wr0) * p.H + h) * D;
+    const int64_t ostride = (int64_t)p.H * D;
+#pragma unroll
+    for (int c = lane; c < WR * CPR; c += 32) {
+      const int r = c / CPR, ch = (c % CPR) * 8;
+      if (r < wrows)
+        *reinterpret_cast<uint4*>(og + r * ostride + ch) = *reinterpret_cast<const uint4*>(sO + r * LDS + ch);
     }
   }
 }
 
-template <typename T, int D, int BM>
-int launch_prefill_t(const AttnParams& p, cudaStream_t st) {
-  using C = PrefillCfg<D, BM>;
-  static bool configured = false;  // raise the dynamic shared-memory limit once per process
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(prefill_kernel<T, D, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-    if (e != cudaSuccess) return (int)e;
-    configured = true;
+template <typename T, int D, class C>
+int configure_prefill() {
+  static int state = -1;  // raise the dynamic shared-memory limit once per process
+  if (state < 0) {
+    cudaError_t e = cudaFuncSetAttribute(prefill_kernel<T, D, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (e == cudaSuccess && C::MINB > 1)  // room for MINB CTAs: all of the unified L1 as shared memory
+      e = cudaFuncSetAttribute(prefill_kernel<T, D, C>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               (int)cudaSharedmemCarveoutMaxShared);
+    state = (int)e;
   }
+  return state;
+}
+
+template <typename T, int D, class C>
+int launch_prefill_cfg(const AttnParams& p, cudaStream_t st) {
+  if (int e = configure_prefill<T, D, C>()) return e;
   AttnParams q = p;
   q.max_tiles = (p.max_query_len + C::BM - 1) / C::BM;
   if (q.max_tiles <= 0) return 0;
   const dim3 grid(p.H, q.max_tiles, p.num_seqs);
-  prefill_kernel<T, D, BM><<<grid, C::NT, C::SMEM, st>>>(q);
+  prefill_kernel<T, D, C><<<grid, C::NT, C::SMEM, st>>>(q);
   return (int)cudaGetLastError();
+}
+
+template <int D_, class C_>
+struct PfPick {
+  static constexpr int D = D_;
+  using Cfg = C_;
+};
+
+// The configuration per head_dim. Head_dim 128 (bf16 only) keeps the benchmark's comparison variant
+// 10: the first kernel (prefill_legacy.cuh). Variants measured and dropped are in benchmarks/NOTES.md.
+template <typename T, typename F>
+int with_prefill_cfg(int head_dim, int variant, F&& f) {
+  switch (head_dim) {
+    case 16: return f(PfPick<16, PfCfg<16, 4, 2, 64, true, 2>>{});
+    case 32: return f(PfPick<32, PfCfg<32, 4, 2, 64, true, 2>>{});
+    case 64: return f(PfPick<64, PfCfg<64, 4, 2, 64, true, 2>>{});
+    case 128:
+      return f(PfPick<128, PfCfg<128, 4, 2, 64, false, 2>>{});  // 4 warps x 32 rows, 2 CTAs/SM
+    case 256: return f(PfPick<256, PfCfg<256, 4, 1, 32, false, 1>>{});
+    default: return -1;
+  }
 }
 
 template <typename T>
 int launch_prefill_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
-  switch (head_dim) {
-    case 16: return launch_prefill_t<T, 16, 128>(p, st);
-    case 32: return launch_prefill_t<T, 32, 128>(p, st);
-    case 64: return launch_prefill_t<T, 64, 128>(p, st);
-    case 128:  // variant 1: 64 rows / 4 warps per CTA, two CTAs per SM (benchmarked against 128 rows)
-      return p.variant == 1 ? launch_prefill_t<T, 128, 64>(p, st) : launch_prefill_t<T, 128, 128>(p, st);
-    case 256: return launch_prefill_t<T, 256, 64>(p, st);
-    default: return -1;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    if (head_dim == 128 && p.variant == 10) return launch_prefill_legacy<T, 128, 128>(p, st);
   }
+  return with_prefill_cfg<T>(head_dim, p.variant, [&](auto pick) {
+    using P = decltype(pick);
+    return launch_prefill_cfg<T, P::D, typename P::Cfg>(p, st);
+  });
+}
+
+// Resident CTAs per SM of the configuration a launch would use (benchmarks report it); <= 0: error.
+template <typename T>
+int occupancy_prefill_dtype(int head_dim, int variant) {
+  if (head_dim == 128 && variant == 10) return 0;  // not reported
+  return with_prefill_cfg<T>(head_dim, variant, [&](auto pick) {
+    using P = decltype(pick);
+    using C = typename P::Cfg;
+    if (configure_prefill<T, P::D, C>() != 0) return -1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prefill_kernel<T, P::D, C>, C::NT, C::SMEM) != cudaSuccess)
+      return -1;
+    return n;
+  });
 }
 
 }  // namespace pagednb

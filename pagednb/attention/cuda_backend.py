@@ -13,6 +13,7 @@ Anything the kernels do not cover (another dtype, head_dim or block size) goes t
 from __future__ import annotations
 
 import ctypes
+import os
 import warnings
 
 import torch
@@ -83,7 +84,9 @@ class CudaPagedBackend(AttentionBackend):
         self._reference = TorchReferenceBackend()
         self._warned: set[str] = set()
         self._num_sms: dict[int, int] = {}
-        self.prefill_variant = 0  # benchmarks: 1 = 64-row tiles for head_dim 128
+        # prefill kernel variant (kernels_cuda/prefill.cuh): 0 is the default; others exist for the
+        # benchmark and for testing them (PAGEDNB_PREFILL_VARIANT)
+        self.prefill_variant = int(os.environ.get("PAGEDNB_PREFILL_VARIANT", "0") or 0)
         self.row_variant = 1  # 1: cp.async-pipelined row kernel (bf16/fp16); 0: direct loads
 
     # ---- support ---------------------------------------------------------------------------------
