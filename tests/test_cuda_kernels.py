@@ -269,18 +269,12 @@ PROMPTS = ["Once upon a time there was a cat", "The dog", "Paged attention store
     ("mistral", {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}),  # head_dim 128
 ])
 def test_engine_greedy_matches_hf_with_cuda_backend(tiny_model_dir, arch, overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tiny import hf_greedy
 
     from pagednb import LLM, SamplingParams
 
     path = tiny_model_dir(arch, **overrides)
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
-    refs = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids.cuda()
-        refs.append(hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                pad_token_id=2)[0, ids.shape[1]:].tolist())
+    refs = hf_greedy(path, PROMPTS, 24, device="cuda")
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
              attention_backend="cuda") as llm:
@@ -288,6 +282,7 @@ def test_engine_greedy_matches_hf_with_cuda_backend(tiny_model_dir, arch, overri
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         again = llm.generate(PROMPTS[2:], greedy, use_tqdm=False)  # prefix-cache hits where allowed
     assert [o.outputs[0].token_ids for o in outs] == refs
+    assert [o.outputs[0].token_ids for o in again] == refs[2:]
     assert [o.outputs[0].token_ids for o in again] == refs[2:]
 
 

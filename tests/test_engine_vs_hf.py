@@ -3,8 +3,7 @@ however the engine batches the work: mixed prompt lengths in one batch, a tiny t
 prefill), shared prefixes (prefix-cache hits), a pool so small it must preempt, prompts longer than
 Mistral's sliding window."""
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from tiny import hf_greedy
 
 from pagednb import LLM, SamplingParams
 
@@ -26,15 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 def arch_case(request, tiny_model_dir):
     """(model dir, the HF reference continuation of every prompt)."""
     path = tiny_model_dir(request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
-    refs = []
-    for prompt in PROMPTS:
-        ids = tok(prompt, return_tensors="pt").input_ids
-        out = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=2)
-        refs.append(out[0, ids.shape[1]:].tolist())
-    return request.param, path, refs
+    return request.param, path, hf_greedy(path, PROMPTS, MAX_NEW)
 
 
 def generate_all(path, **engine_args):
@@ -82,14 +73,10 @@ def test_a_pool_too_small_for_everyone_preempts_and_still_matches(arch_case):
 
 def test_mistral_prompts_longer_than_the_window_match_hf(tiny_model_dir):
     path = tiny_model_dir("mistral", sliding_window=8)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompt = SHARED * 2
-    ids = tok(prompt, return_tensors="pt").input_ids
-    assert ids.shape[1] > 8 * 3
-    ref = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=2)[0, ids.shape[1]:]
+    (ref,) = hf_greedy(path, [prompt], MAX_NEW)
     with LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=5) as llm:
         assert llm.engine.spec.sliding_window == 8
         out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == ref.tolist()
+    assert len(out.prompt_token_ids) > 8 * 3
+    assert out.outputs[0].token_ids == ref

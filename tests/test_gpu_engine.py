@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from tiny import hf_greedy
 
 from pagednb import LLM, SamplingParams
 
@@ -16,13 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_gpu_greedy_matches_hf(tiny_model_dir, arch):
     path = tiny_model_dir(arch)
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
-    refs = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids.cuda()
-        refs.append(hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                pad_token_id=2)[0, ids.shape[1]:].tolist())
+    refs = hf_greedy(path, PROMPTS, 24, device="cuda")
     with LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16) as llm:
         assert llm.engine.device.type == "cuda"
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

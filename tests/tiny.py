@@ -81,3 +81,19 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     make_tokenizer(path)
     return path
+
+
+def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, in float32 with EOS ignored: the oracle
+    that pagednb's greedy outputs must equal token for token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    refs = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids.to(device)
+        out = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=tok.pad_token_id)
+        refs.append(out[0, ids.shape[1]:].tolist())
+    return refs
