@@ -92,6 +92,19 @@ def test_stop_strings_end_the_text_before_them(llm):
     assert kept.outputs[0].text == free[:free.index(stop) + len(stop)]
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_still_reports_stop(llm):
+    free = llm.generate("Once upon", GREEDY, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    n = 6
+    text_n = tok.decode(free.token_ids[:n])
+    stop = text_n[-2:]  # ends exactly with the 6th token
+    assert stop.strip() and stop not in tok.decode(free.token_ids[:n - 1])
+    out = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text
+
+
 def test_max_tokens_and_max_model_len_cap_with_reason_length(llm):
     out = llm.generate("The cat", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3

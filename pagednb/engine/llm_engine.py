@@ -146,10 +146,20 @@ class LLMEngine:
         if sampler_output is not None and sampler_output.logprobs is not None:
             _record_logprobs(progressed, sampler_output)
         stops = self.output_processor.detokenize(progressed + aborted)
-        for request_id, stop in stops.items():
-            self.scheduler.requests[request_id].stop_reason = stop
-        self.scheduler.finish_requests(stops, RequestStatus.FINISHED_STOPPED)
+        if stops:
+            self._finish_stopped(progressed, stops)
         return self.output_processor.make_outputs(aborted + progressed)
+
+    def _finish_stopped(self, progressed: list[Request], stops: dict[str, str]) -> None:
+        """Requests whose text reached a stop string end as stopped (blocks freed now)."""
+        for req in progressed:
+            stop = stops.get(req.request_id)
+            if stop is None:
+                continue
+            req.stop_reason = stop
+            if req.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+                req.status = RequestStatus.FINISHED_STOPPED  # already freed; the stop string wins
+        self.scheduler.finish_requests(stops, RequestStatus.FINISHED_STOPPED)
 
     def _apply_aborts(self) -> list[Request]:
         with self._abort_lock:

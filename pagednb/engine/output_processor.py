@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from pagednb.engine.detokenizer import IncrementalDetokenizer
 from pagednb.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagednb.request import Request
+from pagednb.request import Request, RequestStatus
 from pagednb.sampling_params import RequestOutputKind
 
 
@@ -27,7 +27,8 @@ class OutputProcessor:
 
     def detokenize(self, reqs: list[Request]) -> dict[str, str]:
         """Feeds new tokens to each request's detokenizer; returns {request_id: stop string} for
-        running requests whose text now contains a stop string (the engine then finishes them)."""
+        requests whose text now contains a stop string (the engine then finishes them as stopped,
+        also when the same token reached max_tokens: the stop string wins, as in vLLM)."""
         stops = {}
         for req in reqs:
             tracked = self._tracked[req.request_id]
@@ -36,7 +37,7 @@ class OutputProcessor:
             new_tokens = req.output_token_ids[tracked.num_detokenized:]
             tracked.num_detokenized = req.num_output_tokens
             stop = tracked.detokenizer.update(new_tokens, finished=req.is_finished)
-            if stop is not None and not req.is_finished:
+            if stop is not None and req.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH_CAPPED):
                 stops[req.request_id] = stop
         return stops
 
