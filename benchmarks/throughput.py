@@ -8,54 +8,13 @@ Qwen3-0.6B or Llama-3.2-1B shape (the cost does not depend on the values; nothin
 from __future__ import annotations
 
 import argparse
-import random
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from common import print_table, save
-
-SHAPES = {
-    "qwen3-0.6b": dict(arch="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                       tie_word_embeddings=True),
-    "llama-3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=5e5,
-                         tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 32.0,
-                                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                                 "original_max_position_embeddings": 8192}),
-}
-
-
-def workload(n: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
-    outputs = [rng.randint(100, 1024) for _ in range(n)]
-    return prompts, outputs
-
-
-def make_model_dir(shape: str, path: Path) -> Path:
-    """An HF folder with random bf16 weights and a word-level tokenizer covering the whole vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
-
-    spec = dict(SHAPES[shape])
-    arch = spec.pop("arch")
-    config_cls = Qwen3Config if arch == "qwen3" else LlamaConfig
-    config = config_cls(max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0,
-                        pad_token_id=0, **spec)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0").save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+from shapes import SHAPES, make_model_dir, workload
 
 
 def run_pagednb(model_dir: Path, prompts, outputs, args) -> dict:
@@ -87,7 +46,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = parser.parse_args()
-    prompts, outputs = workload(args.requests)
+    prompts, outputs = workload(args.requests, SHAPES[args.shape]["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
         result = run_pagednb(model_dir, prompts, outputs, args)
