@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from common import print_table, save  # noqa: E402
 from pagednb import LLM, SamplingParams  # noqa: E402
+from pagednb.notebook.throttle import max_in_window  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a dog named Max."}]
 
@@ -101,19 +102,10 @@ async def run_views(llm: LLM, prompt, params: list[SamplingParams]) -> tuple[flo
     sent = [t for t, kind in KernelLikeComm.sent[first_message:] if kind == "comm_msg"]
     text_updates = [v._text_throttle.renders for v in views]
     messages = {"messages": len(sent), "messages_per_s": len(sent) / elapsed,
-                "max_messages_in_1s": _max_in_window(sent, 1.0),
+                "max_messages_in_1s": max_in_window(sent, 1.0),
                 "text_updates_per_stream_per_s": statistics.mean(text_updates) / elapsed,
                 "view_time_fraction": (ViewClock.seconds - clock) / elapsed}
     return elapsed, cpu, sum(len(o.outputs[0].token_ids) for o in outs), messages
-
-
-def _max_in_window(times: list[float], window: float) -> int:
-    best, lo = 0, 0
-    for hi, t in enumerate(times):
-        while t - times[lo] > window:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best
 
 
 async def main(args) -> None:

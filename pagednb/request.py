@@ -69,8 +69,6 @@ class Request:
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Set by the KV cache manager: the request's blocks in order, and hashes of its full blocks.
-    block_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -90,10 +88,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def sort_key(self) -> tuple[int, float, int]:
         """Priority order: lower priority value first, then earlier arrival."""

@@ -161,14 +161,6 @@ class BlockPool:
         block.block_hash = block.token_ids = block.parent = None
         block.epoch += 1
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets all cached content (only when no block is in use, like vLLM)."""
-        if self.free_queue.num_free != self.num_blocks:
-            return False
-        for block in self.blocks:
-            self._evict(block)
-        return True
-
     def check_integrity(self, expected_refs: dict[int, int]) -> None:
         """Asserts free xor referenced, and ref counts equal the number of block tables holding each block."""
         free_ids = {block.block_id for block in self.free_queue}

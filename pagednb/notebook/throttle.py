@@ -111,3 +111,14 @@ class Throttle:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def max_in_window(times: list[float], window: float = 1.0) -> int:
+    """The most events (given by their sorted times) in any `window` seconds: how tests and the
+    benchmark check that the caps above hold."""
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] > window:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
