@@ -45,14 +45,14 @@ class StepLog:
 
 
 def slow_down(llm: LLM, step_ms: float) -> None:
-    runner = llm.engine.runner
-    real = runner.model.forward.__wrapped__ if hasattr(runner.model.forward, "__wrapped__") else runner.model.forward
+    runner = llm.engine.runner  # the runner's step, not the model's forward: a GPU decode step replays a graph
+    real = runner.launch.__wrapped__ if hasattr(runner.launch, "__wrapped__") else runner.launch
 
-    def forward(*args, **kwargs):
+    def launch(*args, **kwargs):
         time.sleep(step_ms / 1e3)
         return real(*args, **kwargs)
-    forward.__wrapped__ = real
-    runner.model.forward = forward
+    launch.__wrapped__ = real
+    runner.launch = launch
 
 
 async def one_trial(llm: LLM, from_thread: bool, trial: int, step_ms: float) -> dict:

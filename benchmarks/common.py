@@ -1,11 +1,13 @@
 """Shared helpers for the benchmark scripts: environment facts and writing the JSON result."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,3 +39,67 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         print(" | ".join(c.rjust(w) for c, w in zip(row, widths)))
         if j == 0:
             print("-+-".join("-" * w for w in widths))
+
+
+@contextlib.contextmanager
+def recorded_steps(llm):
+    """Records every launched step while active: rows, tokens, whether it was all decode, and GPU ms
+    between events around its launch (recorded when queued, read when it is collected), plus the
+    wall ms of each engine step. The reads add a wait per step, so a run measured this way is a
+    diagnosis, not the headline figure."""
+    engine, runner = llm.engine, llm.engine.runner
+    real_step, real_launch, real_collect = engine.step, runner.launch, runner.collect
+    steps: list[dict] = []
+    cuda = torch.cuda.is_available()
+
+    def launch(sched):
+        info = {"rows": len(sched.scheduled), "tokens": sched.num_scheduled_tokens,
+                "decode": all(s.num_new_tokens == 1 for s in sched.scheduled), "t0": time.perf_counter()}
+        if cuda:
+            info["start"], info["end"] = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            info["start"].record()
+        launched = real_launch(sched)
+        if cuda:
+            info["end"].record()
+        launched.info = info
+        return launched
+
+    def collect(launched):
+        out = real_collect(launched)
+        info = launched.info
+        info["runner_ms"] = (time.perf_counter() - info.pop("t0")) * 1e3
+        if cuda:
+            start, end = info.pop("start"), info.pop("end")
+            end.synchronize()
+            info["gpu_ms"] = start.elapsed_time(end)
+        else:
+            info["gpu_ms"] = info["runner_ms"]
+        steps.append(info)
+        return out
+
+    def step():
+        t0 = time.perf_counter()
+        n = len(steps)
+        outs = real_step()
+        for info in steps[n:]:
+            info["wall_ms"] = (time.perf_counter() - t0) * 1e3
+        return outs
+
+    engine.step, runner.launch, runner.collect = step, launch, collect
+    try:
+        yield steps
+    finally:
+        engine.step, runner.launch, runner.collect = real_step, real_launch, real_collect
+
+
+def step_breakdown(steps: list[dict]) -> dict:
+    """Sums of wall / GPU / host (wall - GPU) seconds for decode-only steps and for the others. With
+    asynchronous scheduling a step's host work overlaps another's GPU time, so host_s is only the
+    part left on the critical path (wall of the engine steps that finished these steps minus GPU)."""
+    out = {}
+    for kind, chosen in (("decode", [s for s in steps if s["decode"]]), ("prefill_or_mixed", [s for s in steps if not s["decode"]])):
+        wall = sum(s["wall_ms"] for s in chosen) / 1e3
+        gpu = sum(s["gpu_ms"] for s in chosen) / 1e3
+        out[kind] = {"steps": len(chosen), "wall_s": wall, "gpu_s": gpu, "host_s": wall - gpu,
+                     "mean_rows": sum(s["rows"] for s in chosen) / max(len(chosen), 1)}
+    return out

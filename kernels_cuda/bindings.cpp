@@ -1,9 +1,11 @@
 // The one binding file: a small C ABI over the launchers, called from Python through ctypes
-// (pagednb/attention/cuda_backend.py). It includes no torch header, so it compiles in about a second;
-// Python passes data pointers, strides and the current CUDA stream, and this layer checks the
-// configuration (dtype, head_dim, block size, head counts) before anything is launched.
+// (pagednb/attention/cuda_backend.py, pagednb/model/fused_ops.py, pagednb/engine/sampling_kernel.py). It
+// includes no torch header, so it compiles in about a second; Python passes data pointers, strides and the
+// current CUDA stream, and this layer checks the configuration (dtype, head_dim, block size, head counts,
+// alignment) before anything is launched.
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <mutex>
 #include <stdint.h>
 
@@ -21,6 +23,20 @@ int check_params(int dtype, int head_dim, const AttnParams* p) {
   if (p->bs_log2 < 0 || p->bs_log2 > 12 || p->num_seqs <= 0) return -1;
   return 0;
 }
+
+bool supported_dtype(int dtype) { return dtype >= 0 && dtype <= 2; }
+int64_t elem_size(int dtype) { return dtype == pagednb::kFloat32 ? 4 : 2; }
+
+// Every pointer (nullptr passes) and byte count a multiple of 16: the fused ops move 16-byte vectors.
+bool aligned16(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> bytes) {
+  uint64_t all = 0;
+  for (const void* p : ptrs) all |= reinterpret_cast<uint64_t>(p);
+  for (int64_t b : bytes) all |= static_cast<uint64_t>(b);
+  return all % 16 == 0;
+}
+
+// The RMSNorm kernel keeps a row in registers: up to 8 vectors of 16 bytes for each of 512 threads.
+constexpr int64_t kMaxNormRowBytes = 8 * 512 * 16;
 
 int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
@@ -98,6 +114,55 @@ int pagednb_write_kv(const void* key, const void* value, int64_t k_stride_tok, i
   if (row_bytes <= 0 || row_bytes % 2 != 0) return -1;
   return pagednb::launch_write_kv(key, value, k_stride_tok, v_stride_tok, cache, v_offset_bytes, slots,
                                   num_tokens, row_bytes, stream);
+}
+
+// ---- fused elementwise ops (fused_ops.cu): element strides, 16-byte aligned rows ------------------------
+int pagednb_rms_norm(int dtype, void* out, void* residual_out, const void* x, int64_t x_stride,
+                     const void* residual, int64_t residual_stride, const void* weight, int rows, int hidden,
+                     float eps, void* stream) {
+  if (!supported_dtype(dtype) || hidden <= 0 || rows < 0) return -1;
+  if (residual != nullptr && residual_out == nullptr) return -1;
+  const int64_t es = elem_size(dtype);
+  if (hidden * es > kMaxNormRowBytes) return -1;
+  if (!aligned16({out, residual_out, x, residual, weight}, {x_stride * es, residual_stride * es, hidden * es}))
+    return -1;
+  pagednb::RmsNormArgs a{out, residual_out, x, residual, weight, x_stride, residual_stride, rows, hidden, eps};
+  return pagednb::launch_rms_norm(dtype, a, stream);
+}
+
+int pagednb_qk_norm_rope(int dtype, void* q, int64_t q_stride_tok, int64_t q_stride_head, void* k,
+                         int64_t k_stride_tok, int64_t k_stride_head, const void* cos, const void* sin,
+                         int64_t cos_sin_stride, const void* q_weight, const void* k_weight, int num_tokens,
+                         int num_heads, int num_kv_heads, int head_dim, float eps, void* stream) {
+  if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || num_tokens < 0 || num_heads <= 0 ||
+      num_kv_heads <= 0 || (q_weight == nullptr) != (k_weight == nullptr))
+    return -1;
+  const int64_t es = elem_size(dtype);
+  if (!aligned16({q, k, cos, sin, q_weight, k_weight},
+                 {q_stride_tok * es, q_stride_head * es, k_stride_tok * es, k_stride_head * es, cos_sin_stride * es}))
+    return -1;
+  pagednb::QkRopeArgs a{q, k, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head, cos, sin, cos_sin_stride,
+                        q_weight, k_weight, num_tokens, num_heads, num_kv_heads, head_dim, eps};
+  return pagednb::launch_qk_norm_rope(dtype, a, stream);
+}
+
+int pagednb_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+                         void* stream) {
+  if (!supported_dtype(dtype) || inter <= 0 || rows < 0) return -1;
+  const int64_t es = elem_size(dtype);
+  if (!aligned16({out, gate_up}, {stride * es, inter * es})) return -1;
+  return pagednb::launch_silu_and_mul(dtype, out, gate_up, stride, rows, inter, stream);
+}
+
+// ---- temperature sampling (sampling.cu): float32 logits, element strides -----------------------------------
+int pagednb_sample_temperature(const float* logits, int64_t row_stride, const float* temperature, int64_t t_stride,
+                               const float* uniforms, int64_t u_stride, int64_t* out, int rows, int vocab,
+                               void* stream) {
+  if (rows < 0 || vocab <= 0 || vocab > pagednb::kMaxSampleVocab || row_stride < 0 || t_stride < 0 || u_stride < 0)
+    return -1;
+  if (rows > 0 && (logits == nullptr || temperature == nullptr || uniforms == nullptr || out == nullptr)) return -1;
+  pagednb::SampleArgs a{logits, row_stride, temperature, t_stride, uniforms, u_stride, out, rows, vocab};
+  return pagednb::launch_sample_temperature(a, stream);
 }
 
 int pagednb_params_size() { return (int)sizeof(AttnParams); }

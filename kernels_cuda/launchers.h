@@ -54,4 +54,51 @@ int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, in
                     void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,
                     int64_t row_bytes, void* stream);
 
+// ---- fused elementwise ops (fused_ops.cu) ----------------------------------------------------------------
+// Element strides; every row start, stride and length is a multiple of 16 bytes.
+struct RmsNormArgs {
+  void* out;                 // [rows, hidden], dense
+  void* residual_out;        // [rows, hidden], dense: x + residual (unused without a residual)
+  const void* x;             // [rows, hidden], row stride x_stride
+  const void* residual;      // nullptr: plain RMSNorm
+  const void* weight;        // [hidden]
+  int64_t x_stride, residual_stride;
+  int rows, hidden;
+  float eps;
+};
+
+struct QkRopeArgs {          // in place on q [N, H, D] and k [N, Hkv, D] (last dim dense)
+  void* q;
+  void* k;
+  int64_t q_stride_tok, q_stride_head, k_stride_tok, k_stride_head;
+  const void* cos;           // [N, D] rows, token stride cos_sin_stride (sin the same)
+  const void* sin;
+  int64_t cos_sin_stride;
+  const void* q_weight;      // [D] each; both nullptr: rotary embedding only
+  const void* k_weight;
+  int num_tokens, num_heads, num_kv_heads, head_dim;
+  float eps;
+};
+
+int launch_rms_norm(int dtype, const RmsNormArgs& a, void* stream);
+int launch_qk_norm_rope(int dtype, const QkRopeArgs& a, void* stream);
+int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+                        void* stream);
+
+// ---- temperature sampling (sampling.cu) -------------------------------------------------------------------
+constexpr int kMaxSampleVocab = 1 << 20;
+
+struct SampleArgs {          // float32 throughout; element strides
+  const float* logits;       // [rows, vocab], row stride row_stride (0 allowed), last dim dense
+  int64_t row_stride;
+  const float* temperature;  // [rows] at stride t_stride, > 0
+  int64_t t_stride;
+  const float* uniforms;     // [rows] in [0, 1) at stride u_stride
+  int64_t u_stride;
+  int64_t* out;              // [rows] sampled token ids
+  int rows, vocab;
+};
+
+int launch_sample_temperature(const SampleArgs& a, void* stream);
+
 }  // namespace pagednb

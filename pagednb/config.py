@@ -33,6 +33,9 @@ class EngineConfig:
     revision: str | None = None
     tokenizer: str | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs (every step launches its kernels one by one)
+    max_cuda_graph_batch_size: int = 512
+    async_scheduling: bool | None = None  # None: on for a GPU (host work overlaps the device's), off on a CPU  # decode graphs cover batches up to min(this, max_num_seqs)
 
     def validate(self) -> None:
         """Raises ValueError naming the field and its limit; called before anything heavy is loaded."""
@@ -43,6 +46,8 @@ class EngineConfig:
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        _check(self.max_cuda_graph_batch_size >= 1,
+               f"max_cuda_graph_batch_size must be >= 1, got {self.max_cuda_graph_batch_size}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.scheduling_policy in SCHEDULING_POLICIES,

@@ -29,14 +29,17 @@ class LLM:
                  num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  trust_remote_code: bool = False, revision: str | None = None, tokenizer: str | None = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", enforce_eager: bool = False,
+                 max_cuda_graph_batch_size: int = 512, async_scheduling: bool | None = None):
         self.engine = LLMEngine(EngineConfig(
             model=str(model if model is not None else DEFAULT_MODEL), dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             scheduling_policy=scheduling_policy, seed=seed, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
-            revision=revision, tokenizer=tokenizer, attention_backend=attention_backend))
+            revision=revision, tokenizer=tokenizer, attention_backend=attention_backend,
+            enforce_eager=enforce_eager, max_cuda_graph_batch_size=max_cuda_graph_batch_size,
+            async_scheduling=async_scheduling))
         self.driver = EngineDriver(self.engine)
 
     # ---- generation ------------------------------------------------------------------------------

@@ -62,6 +62,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled on the device but not yet known here (0 or 1): with asynchronous scheduling the
+    # next step is scheduled, and its input read from the device, before this step's tokens arrive.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
@@ -72,6 +75,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        params = self.sampling_params
+        # Sampling that reads the output so far (penalties, min_tokens) needs every token on the host
+        # before the next step is built, so such a request turns asynchronous scheduling off.
+        self.needs_output_history = params.has_penalties or params.min_tokens > 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,8 +59,8 @@ SETTLE_S = 10      # "abort" shown and the pool back to 0 after Cancel
 # prompt + max_tokens fits max_model_len) streams for seconds. One line, pasted as text (no auto-indent).
 SLOW_CELL = ("import time, pagednb; from pagednb.notebook import chat as _chat; "
              "_llm = [v for v in list(globals().values()) if isinstance(v, pagednb.LLM)][0]; "
-             "_model = _llm.engine.runner.model; "
-             "_model.forward = (lambda f: lambda *a, **k: (time.sleep(0.02), f(*a, **k))[1])(_model.forward); "
+             "_runner = _llm.engine.runner; "
+             "_runner.launch = (lambda f: lambda *a, **k: (time.sleep(0.02), f(*a, **k))[1])(_runner.launch); "
              "print('slowed model steps by 20 ms'); "
              "_slow_chat = _chat(_llm, sampling_params=pagednb.SamplingParams(max_tokens=256, ignore_eos=True))")
 

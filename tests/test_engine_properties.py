@@ -14,10 +14,12 @@ from pagednb.engine import block_pool
 PROMPT_POOL = [list(range(3, 3 + n)) for n in (1, 5, 16, 17, 33)] + [[7] * 20, [7] * 20 + [9, 10]]
 
 
-@pytest.fixture(scope="module")
-def small_llm(tiny_model_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def small_llm(tiny_model_dir, request):
+    """Asynchronous scheduling (the next step scheduled before this one's tokens are known) must keep
+    every property too."""
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=10, max_model_len=64, max_num_batched_tokens=24,
-              max_num_seqs=4, scheduling_policy="priority")
+              max_num_seqs=4, scheduling_policy="priority", async_scheduling=request.param)
     yield llm
     llm.close()
 

@@ -80,3 +80,26 @@ def test_mistral_prompts_longer_than_the_window_match_hf(tiny_model_dir):
         out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     assert len(out.prompt_token_ids) > 8 * 3
     assert out.outputs[0].token_ids == ref
+
+
+def test_asynchronous_scheduling_matches_hf_with_chunks_and_preemption(arch_case):
+    """The next step scheduled before this one's tokens are known (the GPU default), under a tiny
+    budget and a pool that forces preemption."""
+    _, path, refs = arch_case
+    got, stats = generate_all(path, num_kv_blocks=8, max_model_len=112, max_num_batched_tokens=7,
+                              async_scheduling=True)
+    assert got == refs
+    assert stats["preemptions"] > 0
+
+
+def test_requests_admitted_in_the_same_step_share_a_prefix_computed_in_that_step(arch_case):
+    """A step writes every new K/V of a layer before any query attends, so a request admitted after
+    another in the same step can use the blocks the other is computing (vLLM caches at allocation)."""
+    arch, path, refs = arch_case
+    with LLM(str(path), num_kv_blocks=64) as llm:  # fresh: nothing cached before this step
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        steps = llm.stats()["steps"]
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert steps == MAX_NEW  # every prompt was admitted in the first step
+    if arch != "mistral":  # (no prefix caching with a sliding window)
+        assert outs[2].num_cached_tokens == 0 and outs[3].num_cached_tokens > 0 and outs[4].num_cached_tokens > 0

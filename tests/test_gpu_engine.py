@@ -64,3 +64,74 @@ def test_close_gives_the_model_and_kv_pool_memory_back(tiny_model_dir):
     assert rest[-1].outputs[0].finish_reason == "abort"
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 * 2**20  # everything given back but crumbs
+
+
+# ---- CUDA graphs for decode steps ----------------------------------------------------------------------
+# Five prompts of different lengths and budgets: the batch starts in the bucket of 8 (three padding rows)
+# and shrinks through the buckets of 4, 2 and 1 as requests finish.
+GRAPH_PROMPTS = PROMPTS + ["A fox", "Tell me a story about a cat named Tom and a dog named Max, please"]
+GRAPH_BUDGETS = [40, 8, 24, 3, 17]
+
+
+def _run(path, dtype, enforce_eager, params, **kwargs):
+    with LLM(str(path), dtype=dtype, num_kv_blocks=96, max_num_batched_tokens=64, max_num_seqs=8,
+             enforce_eager=enforce_eager, **kwargs) as llm:
+        assert llm.engine.async_scheduling is kwargs.get("async_scheduling", True)  # the GPU default
+        assert llm.engine.uses_cuda_graphs == (not enforce_eager)
+        outs = llm.generate(GRAPH_PROMPTS, params, use_tqdm=False)
+        replays = llm.engine.runner.graphs.num_replays if llm.engine.runner.graphs is not None else 0
+    return [o.outputs[0].token_ids for o in outs], replays
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_outputs_with_and_without_cuda_graphs_are_identical_and_equal_hf(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in GRAPH_BUDGETS]
+    refs = [ref[:n] for ref, n in zip(hf_greedy(path, GRAPH_PROMPTS, max(GRAPH_BUDGETS), device="cuda"),
+                                      GRAPH_BUDGETS)]
+    graphed, replays = _run(path, "float32", False, params)
+    eager, no_replays = _run(path, "float32", True, params)
+    synchronous, _ = _run(path, "float32", False, params, async_scheduling=False)
+    assert replays > 30 and no_replays == 0  # decode steps really replayed graphs
+    assert graphed == eager == synchronous == refs
+
+
+def test_seeded_sampling_is_the_same_with_and_without_cuda_graphs(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=n, seed=i, ignore_eos=True)
+              for i, n in enumerate(GRAPH_BUDGETS)]
+    graphed, _ = _run(path, "float32", False, params)
+    eager, _ = _run(path, "float32", True, params)
+    assert graphed == eager
+
+
+def test_bf16_graphs_agree_with_eager_steps(tiny_model_dir):
+    """bf16: the graph plans attention's split for max_model_len, eager steps for the real lengths, so
+    sums may round differently; the first tokens still agree (a near-tie may flip one request)."""
+    path = tiny_model_dir("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in GRAPH_BUDGETS]
+    graphed, _ = _run(path, "bfloat16", False, params)
+    eager, _ = _run(path, "bfloat16", True, params)
+    agree = sum(a[:3] == b[:3] for a, b in zip(graphed, eager))
+    assert agree >= len(GRAPH_PROMPTS) - 1, (graphed, eager)
+
+
+def test_graph_capture_is_logged_and_covers_every_batch_size(tiny_model_dir, caplog):
+    path = tiny_model_dir("llama")
+    ref = hf_greedy(path, ["The cat"], 24, device="cuda")[0]
+    with caplog.at_level(logging.INFO, logger="pagednb"):
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=128, max_num_seqs=40)
+    with llm:
+        graphs = llm.engine.runner.graphs
+        assert graphs.sizes == [1, 2, 4, 8, 16, 32, 40]
+        assert "Captured 7 decode CUDA graphs (batch sizes 1-40)" in caplog.text
+        outs = llm.generate(["The cat"] * 33, GREEDY, use_tqdm=False)  # 33 rows: the bucket of 40
+        assert graphs.num_replays >= 20
+    assert all(o.outputs[0].token_ids == ref for o in outs)  # the 7 padding rows wrote nothing
+
+
+def test_enforce_eager_and_the_reference_backend_capture_nothing(tiny_model_dir):
+    with LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, enforce_eager=True) as llm:
+        assert llm.engine.runner.graphs is None
+    with LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, attention_backend="torch_ref") as llm:
+        assert llm.engine.runner.graphs is None and not llm.engine.uses_cuda_graphs

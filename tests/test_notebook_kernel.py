@@ -19,11 +19,11 @@ SETUP = textwrap.dedent("""
     import asyncio, threading, time
     from pagednb import LLM, SamplingParams
     llm = LLM(num_kv_blocks=256)
-    real_forward = llm.engine.runner.model.forward
-    def slow_forward(*args, **kwargs):
+    real_launch = llm.engine.runner.launch
+    def slow_launch(*args, **kwargs):
         time.sleep(0.01)
-        return real_forward(*args, **kwargs)
-    llm.engine.runner.model.forward = slow_forward
+        return real_launch(*args, **kwargs)
+    llm.engine.runner.launch = slow_launch
     progress = []
 """)
 

@@ -35,6 +35,13 @@ class KVCacheManager:
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
         self.caching = pool.enable_caching
+        # Full blocks that requests scheduled earlier in this step will compute: a request admitted
+        # later in the same step may share them, because a step writes every new K/V of a layer before
+        # any of its queries attend. They join the real cache only after the step ran (commit_computed).
+        self._this_step: dict[BlockHash, list[tuple[KVBlock, tuple[int, ...], KVBlock | None]]] = {}
+
+    def begin_step(self) -> None:
+        self._this_step.clear()
 
     def find_prefix_hit(self, req: Request) -> PrefixHit:
         """Longest run of cached full blocks matching the request's tokens, content-verified.
@@ -49,7 +56,9 @@ class KVCacheManager:
         hit: list[KVBlock] = []
         parent = None
         for i in range(max_blocks):
-            block = self.pool.lookup(state.hashes[i], self._block_tokens(req, i), parent)
+            tokens = self._block_tokens(req, i)
+            block = self.pool.lookup(state.hashes[i], tokens, parent) or self._lookup_this_step(
+                state.hashes[i], tokens, parent)
             if block is None:
                 break
             hit.append(block)
@@ -83,20 +92,41 @@ class KVCacheManager:
         state.blocks.extend(new_blocks)
         if hit_blocks:
             state.num_cached = len(hit_blocks)
+        if self.caching:
+            self._share_this_step(req, state, min(total_tokens, req.num_tokens) // self.block_size)
         return [block.block_id for block in new_blocks]
 
-    def commit_computed(self, req: Request) -> None:
-        """Registers the request's blocks that are now full of computed K/V in the prefix cache.
+    def _share_this_step(self, req: Request, state: _RequestBlocks, num_full: int) -> None:
+        """Offers the full blocks this step computes for req to requests scheduled after it."""
+        first = state.num_cached
+        if num_full <= first or len(self._this_step) > 4 * len(self.pool.blocks):
+            return
+        self._extend_hashes(req, state, num_full)
+        for i in range(first, num_full):
+            parent = state.blocks[i - 1] if i > 0 else None
+            self._this_step.setdefault(state.hashes[i], []).append(
+                (state.blocks[i], self._block_tokens(req, i), parent))
+
+    def _lookup_this_step(self, block_hash: BlockHash, tokens: tuple[int, ...], parent: KVBlock | None
+                          ) -> KVBlock | None:
+        for block, block_tokens, block_parent in self._this_step.get(block_hash, ()):
+            if block_tokens == tokens and block_parent is parent and block.ref_cnt > 0:
+                return block
+        return None
+
+    def commit_computed(self, req: Request, num_computed: int) -> None:
+        """Registers the request's blocks now full of computed K/V (its first num_computed tokens) in
+        the prefix cache.
 
         Called after the model ran, never at scheduling time: a step that is interrupted (an
         exception, a KeyboardInterrupt) must not leave blocks in the cache whose K/V was never
-        written.
+        written. (With asynchronous scheduling req.num_computed_tokens already counts the next step.)
         """
         if not self.caching:
             return
         state = self._reqs.get(req.request_id)
-        if state is not None and req.num_computed_tokens >= (state.num_cached + 1) * self.block_size:
-            self._cache_full_blocks(req, state, req.num_computed_tokens)
+        if state is not None and num_computed >= (state.num_cached + 1) * self.block_size:
+            self._cache_full_blocks(req, state, num_computed)
 
     def free(self, req: Request) -> None:
         """Gives back the request's blocks, last block first (see BlockPool.free)."""

@@ -7,6 +7,7 @@ any thread and takes effect at the next step boundary.
 """
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import logging
@@ -53,10 +54,12 @@ class LLMEngine:
         logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
                     self.spec.architecture, self.device, time.perf_counter() - t0, self.attention_backend.name)
         self.runner = ModelRunner(model, self.device, self.dtype, config.block_size, config.max_num_seqs,
-                                  self.max_model_len, sorted(self.eos_token_ids), self.generator)
+                                  self.max_model_len, sorted(self.eos_token_ids), self.generator,
+                                  self.max_num_batched_tokens)
         self.pool_plan = plan_kv_pool(config, self.runner, self.max_model_len, self.max_num_batched_tokens,
                                       config.max_num_seqs)
         self.runner.allocate_kv_cache(self.pool_plan.num_blocks)
+        self.uses_cuda_graphs = self._capture_cuda_graphs()
         caching = config.enable_prefix_caching and self.spec.sliding_window is None
         if config.enable_prefix_caching and not caching:
             logger.info("Prefix caching is off: the model uses a sliding window")
@@ -66,12 +69,33 @@ class LLMEngine:
                                    self.max_model_len, config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_aborts: set[str] = set()
+        self._in_flight: collections.deque = collections.deque()  # launched steps not yet finished
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
         self._abort_lock = threading.Lock()
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # prompt and recomputed tokens included: all the model processed
         self.closed = False
+
+    def _capture_cuda_graphs(self) -> bool:
+        """Decode CUDA graphs on a GPU with pagednb's CUDA attention, unless enforce_eager."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.attention_backend.name != "cuda":
+            logger.info("No CUDA graphs: the %s attention backend plans on the host every step",
+                        self.attention_backend.name)
+            return False
+        try:
+            self.runner.capture_decode_graphs(min(self.config.max_cuda_graph_batch_size, self.config.max_num_seqs))
+        except torch.cuda.OutOfMemoryError:
+            self.runner.graphs = None
+            torch.cuda.empty_cache()
+            logger.warning("No CUDA graphs: capturing them ran out of GPU memory. Lower gpu_memory_utilization "
+                           "or max_cuda_graph_batch_size to leave room for them; steps run eagerly meanwhile")
+            return False
+        return True
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Sequence[int] | dict,
@@ -115,40 +139,86 @@ class LLMEngine:
             self._pending_aborts.update(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts) or bool(self._in_flight)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches one step, then finishes the previous one (asynchronous scheduling) or
+        this one (synchronous); returns the outputs of the finished step and of aborted requests.
+
+        Asynchronous scheduling overlaps the host's work with the device's: while step N runs on the
+        GPU, the host schedules and launches N+1 (its decode inputs read from N's sampled tokens on the
+        device), then takes N's tokens, applies stops and builds outputs. A request stopped by N's token
+        (EOS, a stop string) already has a row in N+1; that token is dropped.
+        """
         self._check_open()
         aborted = self._apply_aborts()
+        outputs: list[RequestOutput] = []
+        overlap = self.async_scheduling and not self._needs_sync()
+        if not overlap:
+            outputs += self._complete_in_flight()
         sched = self.scheduler.schedule()
         self.runner.release_requests(sched.released_request_ids)
-        if not sched.scheduled:
-            self.output_processor.detokenize(aborted)
-            return self.output_processor.make_outputs(aborted)
+        launched = False
+        if sched.scheduled:
+            launched, failed = self._launch(sched)
+            outputs += failed
+        # keep the step just launched in flight (its tokens are read at the next call), nothing older
+        outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
+        self.output_processor.detokenize(aborted)
+        return self.output_processor.make_outputs(aborted) + outputs
+
+    def _needs_sync(self) -> bool:
+        """A running request whose sampling reads its output so far needs the last token first."""
+        return any(req.needs_output_history for req in self.scheduler.running)
+
+    def _launch(self, sched) -> tuple[bool, list[RequestOutput]]:
+        """Queues the step; (True, []) or, when the launch raised, (False, the failed requests' outputs)."""
         try:
-            token_ids, sampler_output = self.runner.execute(sched)
+            launched = self.runner.launch(sched)
         except Exception as error:  # the step's requests end with "error"; the engine stays usable
-            logger.exception("Model step failed; its %d requests end with finish_reason 'error'. The engine can "
-                             "continue: other requests are unaffected", len(sched.scheduled))
-            self.scheduler.rollback(sched)
-            failed = self.scheduler.finish_requests([s.request.request_id for s in sched.scheduled],
-                                                    RequestStatus.FINISHED_ERROR)
-            self.output_processor.detokenize(aborted + failed)
-            return self.output_processor.make_outputs(aborted) + self.output_processor.make_outputs(failed, error)
-        except BaseException:  # KeyboardInterrupt mid-step: as if the step never ran; the caller decides
+            return False, self._fail(sched, error)
+        except BaseException:  # KeyboardInterrupt mid-launch: as if the step never ran; the caller decides
             self.scheduler.rollback(sched)
             raise
+        self._in_flight.append((sched, launched))
+        return True, []
+
+    def _complete_in_flight(self, keep: int = 0) -> list[RequestOutput]:
+        """Finishes launched steps, oldest first, until `keep` remain in flight."""
+        outputs = []
+        while len(self._in_flight) > keep:
+            sched, launched = self._in_flight[0]
+            try:
+                token_ids, sampler_output = self.runner.collect(launched)
+            except Exception as error:
+                self._in_flight.popleft()
+                outputs += self._fail(sched, error)
+                continue
+            self._in_flight.popleft()  # after the wait: an interrupted wait leaves the step to finish later
+            outputs += self._process(sched, token_ids, sampler_output)
+        return outputs
+
+    def _process(self, sched, token_ids: list[int], sampler_output) -> list[RequestOutput]:
         progressed = self.scheduler.update_from_output(sched, token_ids)
         self.num_steps += 1
-        self.num_generated_tokens += len(token_ids)
+        self.num_generated_tokens += len(progressed)
         self.num_computed_tokens += sched.num_scheduled_tokens
         if sampler_output is not None and sampler_output.logprobs is not None:
-            _record_logprobs(progressed, sampler_output)
-        stops = self.output_processor.detokenize(progressed + aborted)
+            _record_logprobs(progressed, sampler_output, sched)
+        stops = self.output_processor.detokenize(progressed)
         if stops:
             self._finish_stopped(progressed, stops)
-        return self.output_processor.make_outputs(aborted + progressed)
+        return self.output_processor.make_outputs(progressed)
+
+    def _fail(self, sched, error: Exception) -> list[RequestOutput]:
+        logger.error("Model step failed; its %d requests end with finish_reason 'error'. The engine can "
+                     "continue: other requests are unaffected", len(sched.scheduled), exc_info=error)
+        self.scheduler.rollback(sched)
+        failed = self.scheduler.finish_requests([s.request.request_id for s in sched.scheduled],
+                                                RequestStatus.FINISHED_ERROR)
+        self.output_processor.detokenize(failed)
+        return self.output_processor.make_outputs(failed, error)
 
     def _finish_stopped(self, progressed: list[Request], stops: dict[str, str]) -> None:
         """Requests whose text reached a stop string end as stopped (blocks freed now)."""
@@ -201,6 +271,9 @@ class LLMEngine:
         if self.closed:
             return
         self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        self._in_flight.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing may still write into the cache being freed
         self.runner.release_kv_cache()
         self.runner.model = None
         self.closed = True
@@ -255,12 +328,14 @@ def _as_token_list(token_ids) -> list[int]:
     return ids
 
 
-def _record_logprobs(progressed: list[Request], out) -> None:
+def _record_logprobs(progressed: list[Request], out, sched) -> None:
     """Stores the sampled token's logprob (and the top-k) on each request that asked for them."""
     values = out.logprobs.tolist()
     top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
     top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-    for i, req in enumerate(progressed):
+    row_of = {s.request.request_id: i for i, s in enumerate(s for s in sched.scheduled if s.samples)}
+    for req in progressed:
+        i = row_of[req.request_id]  # its row among the step's sampled rows (dropped tokens leave gaps)
         k = req.sampling_params.logprobs
         if k is None:
             continue

@@ -1,7 +1,10 @@
 """Turns a scheduled step into tensors, runs the model over the paged cache, and samples.
 
 The KV cache is allocated here once, one tensor per layer of shape
-[2, num_blocks, block_size, num_kv_heads, head_dim].
+[2, num_blocks, block_size, num_kv_heads, head_dim]. Step inputs are written into preallocated buffers
+(step_buffers.py); a step of decode tokens only replays a CUDA graph when one was captured for its
+batch size (cuda_graphs.py), any other step runs the model eagerly. Either way the sampler runs on the
+device and the sampled tokens come back in the step's one host synchronisation.
 """
 from __future__ import annotations
 
@@ -12,8 +15,25 @@ import torch
 
 from pagednb.attention.backend import AttentionMetadata
 from pagednb.engine.block_table import BlockTable
-from pagednb.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagednb.engine.cuda_graphs import DecodeGraphs
+from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
 from pagednb.engine.scheduler import SchedulerOutput
+from pagednb.engine.step_buffers import StepBuffers, StepViews
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens arrive when collected (None: nothing sampled).
+
+    On a GPU the tokens are copied into pinned memory right behind the sampler and `ready` marks that
+    copy's completion: waiting on it waits for this step only, never for a step launched after it (a
+    plain device-to-host copy would queue behind that one).
+    """
+
+    token_ids: torch.Tensor | None
+    sampler_output: SamplerOutput | None
+    host_token_ids: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -27,18 +47,33 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
                  max_num_seqs: int, max_model_len: int, eos_token_ids: list[int],
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, max_num_batched_tokens: int = 8192) -> None:
         self.model = model
         self.spec = model.spec
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.generator = generator  # for random rows without a seed of their own
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_seqs, self.max_blocks_per_seq)
+        # a step never has more tokens than the budget, nor more sequences than max_num_seqs; a decode
+        # graph pads its batch up to a bucket size, which is never above max_num_seqs
+        self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
+                                   self.max_blocks_per_seq, device)
+        self.stager = PinnedStager(device)
+        self._aranges = np.arange(max_num_seqs + 1, dtype=np.int32)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+        # the last launch's sampled tokens (device) and each sampling request's index among them
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # pinned landing places of the sampled tokens, one per step that may be in flight (+1 spare)
+        on_gpu = device.type == "cuda"
+        self._host_tokens = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(3)]
+        self._tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(3)]
+        self._token_slot = 0
 
     # ---- memory ----------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -52,6 +87,7 @@ class ModelRunner:
                           for _ in range(self.spec.num_layers)]
 
     def release_kv_cache(self) -> None:
+        self.graphs = None  # the graphs hold the caches' addresses
         self.kv_caches = []
 
     @torch.inference_mode()
@@ -59,8 +95,7 @@ class ModelRunner:
         """Runs a forward pass of num_tokens dummy tokens; returns the bytes of its scratch KV cache."""
         seq_lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
         blocks_per_seq = [-(-n // self.block_size) for n in seq_lens]
-        num_blocks = sum(blocks_per_seq)
-        self.allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(sum(blocks_per_seq))
         tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
         first = 0
         for i, n in enumerate(blocks_per_seq):
@@ -69,18 +104,22 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in seq_lens])
         slots = torch.cat([tables[i, torch.arange(n) // self.block_size] * self.block_size
                            + torch.arange(n) % self.block_size for i, n in enumerate(seq_lens)])
-        qsl = [0] + list(np.cumsum(seq_lens))
-        inputs = StepInputs(
-            input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-            positions=positions.to(self.device),
-            metadata=self._metadata(slots, qsl, seq_lens, tables, max(seq_lens)),
-            logits_indices=torch.tensor(qsl[1:], device=self.device) - 1,
-        )
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        self.model.compute_logits(hidden[inputs.logits_indices])
+        qsl = [0] + np.cumsum(seq_lens).tolist()
+        metadata = AttentionMetadata(
+            slot_mapping=slots.to(self.device), query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device), block_tables=tables.to(self.device),
+            max_query_len=max(seq_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                            positions.to(self.device), self.kv_caches, metadata)
+        self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=self.device) - 1])
         scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self.release_kv_cache()
         return scratch
+
+    def capture_decode_graphs(self, max_batch_size: int, progress: bool = True) -> None:
+        """Captures the decode forward at each bucket size up to max_batch_size (the KV cache must exist)."""
+        self.graphs = DecodeGraphs(self, DecodeGraphs.bucket_sizes(max_batch_size))
+        self.graphs.capture(progress)
 
     def release_requests(self, request_ids: list[str]) -> None:
         """Forgets the rows of requests that left the running set (finished, aborted, preempted)."""
@@ -89,34 +128,98 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[int], SamplerOutput]:
-        """Runs the scheduled tokens; returns one sampled token per sampling request, in order."""
-        inputs, sampled_reqs = self.prepare_inputs(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        if not sampled_reqs:
-            return [], None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+    def execute(self, sched: SchedulerOutput) -> tuple[list[int], SamplerOutput | None]:
+        """Runs the scheduled tokens and waits for them: launch() then collect()."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queues the step's forward pass and sampling on the device; returns without waiting for them.
+
+        A decode-only step replays the CUDA graph of its batch size; others run eagerly. Inputs whose
+        token was sampled by the previous launch and is not known here yet (Request.num_pending_tokens)
+        are copied from that launch's device tensor.
+        """
+        self.stager.next_step()
+        graph_size = self.graphs.size_for(sched) if self.graphs is not None else None
+        if graph_size is not None:
+            views, sampled_reqs = self._fill_decode(sched, graph_size)
+            logits = self.graphs.replay(graph_size)[:len(sampled_reqs)]
+        else:
+            inputs, sampled_reqs = self.prepare_inputs(sched)
+            self._feed_pending(sched, inputs)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            if not sampled_reqs:
+                return LaunchedStep(None, None)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        # built while the GPU runs the forward; its tensors travel through pinned memory, so nothing
+        # here waits for the device
         sampling = SamplingMetadata.build(
             [r.sampling_params for r in sampled_reqs], [r.generator for r in sampled_reqs],
             [r.prompt_token_ids for r in sampled_reqs], [r.output_token_ids for r in sampled_reqs],
             vocab_size=logits.shape[-1], device=self.device, eos_token_ids=self.eos_token_ids,
-            generator=self.generator)
+            generator=self.generator, stager=self.stager)
         result = self.sampler(logits, sampling)
-        return result.token_ids.tolist(), result
+        self._last_sampled = (result.token_ids, {r.request_id: i for i, r in enumerate(sampled_reqs)})
+        launched = LaunchedStep(result.token_ids, result)
+        if self.device.type == "cuda":
+            slot = self._token_slot = (self._token_slot + 1) % len(self._host_tokens)
+            host, ready = self._host_tokens[slot], self._tokens_ready[slot]
+            ready.synchronize()  # its previous step was collected long ago; this never waits in practice
+            launched.host_token_ids = host[:len(sampled_reqs)]
+            launched.host_token_ids.copy_(result.token_ids, non_blocking=True)
+            ready.record()
+            launched.ready = ready
+        return launched
+
+    def collect(self, launched: LaunchedStep) -> tuple[list[int], SamplerOutput | None]:
+        """Waits for a launched step; its sampled tokens, one per sampling request in schedule order."""
+        if launched.token_ids is None:
+            return [], None
+        if launched.ready is None:
+            return launched.token_ids.tolist(), launched.sampler_output
+        launched.ready.synchronize()
+        return launched.host_token_ids.tolist(), launched.sampler_output
+
+    def _feed_pending(self, sched: SchedulerOutput, inputs) -> None:
+        """Overwrites the inputs of rows whose token is still on the device with that token."""
+        rows, sources = [], []
+        offset = 0
+        for s in sched.scheduled:
+            req = s.request
+            if req.num_pending_tokens and s.start + s.num_new_tokens > len(req.all_token_ids):
+                if s.num_new_tokens != 1 or s.start != len(req.all_token_ids):
+                    raise RuntimeError(f"request {req.request_id}: a pending token must be a lone decode input")
+                rows.append(offset)
+                sources.append(self._last_sampled[1][req.request_id])
+            offset += s.num_new_tokens
+        if rows:
+            self._gather_pending(inputs.input_ids, rows, sources)
+
+    def _gather_pending(self, input_ids: torch.Tensor, rows: list[int], sources: list[int]) -> None:
+        """input_ids[rows] = the previous launch's sampled tokens[sources], on the device."""
+        token_ids = self._last_sampled[0]
+        input_ids.index_copy_(0, self.stager.tensor(rows, torch.int64),
+                              token_ids.index_select(0, self.stager.tensor(sources, torch.int64)))
+
+    def _update_block_table(self, sched: SchedulerOutput) -> None:
+        block_table = self.block_table
+        for s in sched.scheduled:
+            if s.is_new:
+                block_table.start(s.request.request_id, s.new_block_ids)
+            elif s.new_block_ids:
+                block_table.append(s.request.request_id, s.new_block_ids)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list]:
         """Flattens the step's tokens and gathers positions, slots and block tables (vectorised)."""
+        self._update_block_table(sched)
         token_ids: list[int] = []
         starts, lens, rows, sampled_reqs, sample_mask = [], [], [], [], []
-        block_table, row_of = self.block_table, self.block_table.row_of
+        row_of = self.block_table.row_of
         for s in sched.scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
-            if s.is_new:
-                block_table.start(req.request_id, s.new_block_ids)
-            elif s.new_block_ids:
-                block_table.append(req.request_id, s.new_block_ids)
-            if n == 1:
-                token_ids.append(req.all_token_ids[start])
+            if n == 1:  # a pending token (see _feed_pending) gets a placeholder
+                token_ids.append(req.all_token_ids[start] if start < len(req.all_token_ids) else 0)
             else:
                 token_ids += req.all_token_ids[start:start + n]
             starts.append(start)
@@ -129,34 +232,69 @@ class ModelRunner:
         qsl = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens_np, out=qsl[1:])
         num_tokens = int(qsl[-1])
-        positions = np.repeat(starts_np - qsl[:-1], lens_np) + np.arange(num_tokens)
-        rows_np = np.array(rows, dtype=np.int64)
-        table = self.block_table.table
-        slots = table[np.repeat(rows_np, lens_np), positions // self.block_size].astype(np.int64) \
-            * self.block_size + positions % self.block_size
         seq_lens = starts_np + lens_np
         max_seq_len = int(seq_lens.max())
-        tables = table[rows_np, :-(-max_seq_len // self.block_size)]
-        logits_indices = qsl[1:][np.array(sample_mask, dtype=bool)] - 1
-        inputs = StepInputs(
-            input_ids=self._to_device(torch.tensor(token_ids, dtype=torch.long)),
-            positions=self._to_device(torch.from_numpy(positions)),
-            metadata=self._metadata(torch.from_numpy(slots), qsl.tolist(), seq_lens.tolist(),
-                                    torch.from_numpy(np.ascontiguousarray(tables)), int(lens_np.max())),
-            logits_indices=self._to_device(torch.from_numpy(logits_indices)),
-        )
-        return inputs, sampled_reqs
+        width = -(-max_seq_len // self.block_size)
+        v = self.buffers.views(num_tokens, len(lens), width, len(sampled_reqs))
+        v.host_input_ids[:] = token_ids
+        positions = v.host_positions
+        positions[:] = np.repeat(starts_np - qsl[:-1], lens_np) + np.arange(num_tokens)
+        rows_np = np.array(rows, dtype=np.int64)
+        table = self.block_table.table
+        v.host_slots[:] = table[np.repeat(rows_np, lens_np), positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        v.host_logits_indices[:] = qsl[1:][np.array(sample_mask, dtype=bool)] - 1
+        v.host_query_start_loc[:] = qsl
+        v.host_seq_lens[:] = seq_lens
+        v.host_block_tables[:] = table[rows_np, :width]
+        self.buffers.upload(v)
+        metadata = AttentionMetadata(
+            slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
+            block_tables=v.block_tables, max_query_len=int(lens_np.max()), max_seq_len=max_seq_len,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        return StepInputs(v.input_ids, v.positions, metadata, v.logits_indices), sampled_reqs
 
-    def _metadata(self, slots: torch.Tensor, qsl: list[int], seq_lens: list[int], tables: torch.Tensor,
-                  max_query_len: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slots.long()),
-            query_start_loc=self._to_device(torch.tensor(qsl, dtype=torch.int32)),
-            seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=self._to_device(tables.int()),
-            max_query_len=max_query_len, max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-        )
+    def decode_views(self, batch_size: int) -> StepViews:
+        """Where a decode step of batch_size rows (padded) keeps its inputs; fixed per batch size."""
+        return self.buffers.views(batch_size, batch_size, self.max_blocks_per_seq, batch_size)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+    def _fill_decode(self, sched: SchedulerOutput, batch_size: int) -> tuple[StepViews, list]:
+        """Writes a decode-only step into the inputs of the graph for batch_size; pads the rest. Rows
+        whose token is still pending on the device get it there (one gather, no host round trip)."""
+        self._update_block_table(sched)
+        n = len(sched.scheduled)
+        v = self.decode_views(batch_size)
+        row_of = self.block_table.row_of
+        last_index = self._last_sampled[1] if self._last_sampled is not None else {}
+        reqs, rows, starts, tokens, pending_rows, pending_sources = [], [], [], [], [], []
+        for i, s in enumerate(sched.scheduled):
+            req, start = s.request, s.start
+            ids = req.all_token_ids
+            reqs.append(req)
+            rows.append(row_of[req.request_id])
+            starts.append(start)
+            if start < len(ids):
+                tokens.append(ids[start])
+            else:  # a placeholder, overwritten on the device below
+                tokens.append(0)
+                pending_rows.append(i)
+                pending_sources.append(last_index[req.request_id])
+        rows = np.array(rows, dtype=np.int64)
+        positions = np.array(starts, dtype=np.int64)
+        v.host_input_ids[:n] = tokens
+        v.host_positions[:n] = positions
+        table = self.block_table.table
+        v.host_slots[:n] = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        v.host_seq_lens[:n] = positions + 1
+        v.host_query_start_loc[:] = self._aranges[:batch_size + 1]
+        v.host_block_tables[:n] = table[rows]
+        # padding rows: one token at position 0 of block 0, never written (slot -1), output ignored
+        v.host_input_ids[n:] = 0
+        v.host_positions[n:] = 0
+        v.host_slots[n:] = -1
+        v.host_seq_lens[n:] = 1
+        v.host_block_tables[n:, 0] = 0
+        self.buffers.upload(v)
+        if pending_rows:
+            self._gather_pending(v.input_ids, pending_rows, pending_sources)
+        return v, reqs

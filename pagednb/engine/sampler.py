@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagednb.engine.pinned_stager import PinnedStager
+from pagednb.engine.sampling_kernel import sample_with_temperature
 from pagednb.sampling_params import SamplingParams
 
 
@@ -41,6 +43,7 @@ class SamplingMetadata:
     temperature: torch.Tensor | None  # [m, 1]
     filter_rows: torch.Tensor | None  # [f] random rows using top-k/top-p; None when all are
     top_k: torch.Tensor | None  # [f] int64, V where off; None when no row filters
+    top_k_max: int  # the largest of top_k, known on the host (reading it back would stall the step)
     top_p: torch.Tensor | None  # [f] float32, 1.0 where off
     min_p: torch.Tensor | None  # [m]
     generator: torch.Generator | None  # shared by random rows without their own
@@ -63,9 +66,12 @@ class SamplingMetadata:
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
               vocab_size: int, device: torch.device, eos_token_ids: list[int] | None = None,
-              generator: torch.Generator | None = None) -> SamplingMetadata:
-        """`generators[i]` is request i's own generator (required when it has a seed)."""
+              generator: torch.Generator | None = None, stager: PinnedStager | None = None
+              ) -> SamplingMetadata:
+        """`generators[i]` is request i's own generator (required when it has a seed). With a stager the
+        tensors reach the device asynchronously (see PinnedStager)."""
         n = len(params)
+        _index, _floats = _makers(stager)
         random_idx = [i for i, p in enumerate(params) if not p.is_greedy]
         m = len(random_idx)
         rnd = [params[i] for i in random_idx]
@@ -77,22 +83,23 @@ class SamplingMetadata:
                 raise ValueError(f"row {i} has seed {params[i].seed} but no generator")
         filtering = [j for j, p in enumerate(rnd) if p.top_k > 0 or p.top_p < 1.0]
         filters = [rnd[j] for j in filtering]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in filters]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             random_rows=_index(random_idx, device) if 0 < m < n else None,
             num_random=m,
             temperature=_floats([p.temperature for p in rnd], device).unsqueeze(1) if m else None,
             filter_rows=_index(filtering, device) if 0 < len(filtering) < m else None,
-            top_k=_index([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
-                          for p in filters], device) if filters else None,
+            top_k=_index(top_k, device) if filters else None,
+            top_k_max=max(top_k, default=0),
             top_p=_floats([p.top_p for p in filters], device) if filters else None,
             min_p=(_floats([p.min_p for p in rnd], device)
                    if any(p.min_p > 0.0 for p in rnd) else None),
             generator=generator,
             seeded=seeded,
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size,
-                                       device),
-            banned=_build_banned(params, output_token_ids, eos_token_ids or [], device),
+                                       device, stager),
+            banned=_build_banned(params, output_token_ids, eos_token_ids or [], device, stager),
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 
@@ -134,7 +141,13 @@ def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Inverse-CDF draw in token-id order: one uniform per row, so a seeded row's token depends
-    only on its own logits and generator, never on the batch around it."""
+    only on its own logits and generator, never on the batch around it. Temperature alone is one
+    fused kernel on the GPU (sampling_kernel.py); the same uniforms serve either path."""
+    u = _uniforms(md)
+    if md.top_k is None and md.min_p is None:
+        token_ids = sample_with_temperature(logits, md.temperature, u)
+        if token_ids is not None:
+            return token_ids
     logits = logits / md.temperature
     weights = (logits - logits.amax(-1, keepdim=True)).exp_()  # unnormalised; the top token is 1
     if md.top_k is not None:
@@ -143,7 +156,7 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         weights.masked_fill_(weights < md.min_p.unsqueeze(1), 0.0)
     cdf = weights.cumsum_(-1)
     # 1 - u lies in (0, 1], so the target picks a token of nonzero weight and never runs off the end.
-    target = (1.0 - _uniforms(md)) * cdf[:, -1:]
+    target = (1.0 - u) * cdf[:, -1:]
     return torch.searchsorted(cdf, target).squeeze(1)
 
 
@@ -162,7 +175,7 @@ def _top_k_top_p_floor(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tens
     runs on unnormalised cumulative weights, so a row's result does not depend on that length.
     """
     rows = logits if md.filter_rows is None else logits[md.filter_rows]
-    k_max = int(md.top_k.max())
+    k_max = md.top_k_max
     if k_max < rows.shape[-1]:
         top = rows.topk(k_max, dim=-1).values
     else:
@@ -203,7 +216,9 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k_max: int | None
 
 
 def _build_penalties(params: list[SamplingParams], prompts: list[list[int]],
-                     outputs: list[list[int]], vocab: int, device: torch.device) -> Penalties | None:
+                     outputs: list[list[int]], vocab: int, device: torch.device,
+                     stager: PinnedStager | None = None) -> Penalties | None:
+    _index, _floats = _makers(stager)
     seen, repetition, occurrences, frequency, present, presence = [], [], [], [], [], []
     for i, p in enumerate(params):
         if not p.has_penalties:
@@ -228,8 +243,10 @@ def _build_penalties(params: list[SamplingParams], prompts: list[list[int]],
 
 
 def _build_banned(params: list[SamplingParams], outputs: list[list[int]], eos_token_ids: list[int],
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  device: torch.device, stager: PinnedStager | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """EOS and stop token ids of rows still short of min_tokens."""
+    _index, _ = _makers(stager)
     rows: list[int] = []
     cols: list[int] = []
     for i, p in enumerate(params):
@@ -242,9 +259,17 @@ def _build_banned(params: list[SamplingParams], outputs: list[list[int]], eos_to
     return _index(rows, device), _index(cols, device)
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
+def _makers(stager: PinnedStager | None):
+    """(int64 maker, float32 maker), each (values, device) -> tensor, through the stager if any."""
+    if stager is None or not stager.enabled:
+        return _index_plain, _floats_plain
+    return (lambda values, device: stager.tensor(values, torch.int64),
+            lambda values, device: stager.tensor(values, torch.float32))
+
+
+def _index_plain(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+def _floats_plain(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)

@@ -84,6 +84,7 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.begin_step()
         budget = self.max_num_batched_tokens
         running = RequestStatus.RUNNING
         for req in list(self.running):
@@ -95,12 +96,22 @@ class Scheduler:
             budget = self._admit_waiting(budget, out)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.request.num_pending_tokens += 1
         out.released_request_ids, self._released = self._released, []
         return out
 
     def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Schedules req's next tokens, preempting others if the pool is short. Returns tokens used."""
-        num_new = len(req.all_token_ids) - req.num_computed_tokens
+        """Schedules req's next tokens, preempting others if the pool is short. Returns tokens used.
+
+        A token still pending on the device counts as known (its input is read there); a request whose
+        pending token is its last (max_tokens, max_model_len) is not scheduled: it ends when it arrives.
+        """
+        pending = req.num_pending_tokens
+        num_tokens = len(req.all_token_ids) + pending
+        if pending and (len(req.output_token_ids) + pending >= req.max_tokens or num_tokens >= self.max_model_len):
+            return 0
+        num_new = num_tokens - req.num_computed_tokens
         if num_new > budget:
             num_new = budget
         while (new_block_ids := self.kv.allocate_slots(req, num_new)) is None:
@@ -113,8 +124,7 @@ class Scheduler:
         if self._resync and req.request_id in self._resync:
             self._resync.discard(req.request_id)
             is_new, new_block_ids = True, self.kv.block_ids(req.request_id)
-        out.scheduled.append(ScheduledRequest(req, start, num_new, new_block_ids, is_new,
-                                              start + num_new == len(req.all_token_ids)))
+        out.scheduled.append(ScheduledRequest(req, start, num_new, new_block_ids, is_new, start + num_new == num_tokens))
         return num_new
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
@@ -156,6 +166,8 @@ class Scheduler:
         """Undoes a step whose model run never finished: its tokens count as not computed."""
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start
+            if s.samples:
+                s.request.num_pending_tokens -= 1
             self._resync.add(s.request.request_id)
 
     # ---- after the model ran ---------------------------------------------------------------------
@@ -163,25 +175,34 @@ class Scheduler:
         """Appends each sampling request's new token and applies token-level stops.
 
         sampled_token_ids holds one token per scheduled request that samples, in schedule order.
-        Returns the requests that got a token (finished ones included).
+        Returns the requests that got a token (finished ones included). With asynchronous scheduling
+        the next step is already scheduled: a request may have been preempted since (its token still
+        counts) or finished (aborted, or stopped by the token before: this token is dropped).
         """
         now = time.monotonic()
         progressed = []
         tokens = iter(sampled_token_ids)
         commit = self.kv.commit_computed
+        finished = RequestStatus.PREEMPTED
         for s in out.scheduled:
             req = s.request
-            commit(req)
-            if not s.samples:
+            token = next(tokens) if s.samples else None
+            if req.status > finished:
                 continue
-            token = next(tokens)
+            commit(req, s.start + s.num_new_tokens)
+            if token is None:
+                continue
+            req.num_pending_tokens -= 1
             req.output_token_ids.append(token)
             req.all_token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req)
             if status is not None:
-                self.running.remove(req)
+                if req.status == RequestStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
                 self._finish(req, status)
             progressed.append(req)
         return progressed

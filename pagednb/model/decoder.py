@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from pagednb.attention.backend import AttentionBackend, AttentionMetadata
+from pagednb.model.fused_ops import qk_norm_rope
 from pagednb.model.layers import GatedMLP, MergedLinear, RMSNorm
-from pagednb.model.rotary import RotaryEmbedding, apply_rotary
+from pagednb.model.rotary import RotaryEmbedding
 from pagednb.model.spec import ModelSpec
 
 
@@ -51,9 +52,10 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if self.qk_norm:  # one kernel on a GPU, in place in the qkv output
+            q, k = qk_norm_rope(q, k, *rope, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            q, k = qk_norm_rope(q, k, *rope)
         self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = self.backend.attend(q, kv_cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagednb.model.fused_ops import rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
     """RMSNorm with HF's numerics: normalise in float32, cast back, then scale by the weight.
 
     Called with a residual it first adds it (in the model dtype, as HF does) and returns the sum as
-    the new residual, which saves one pass over the hidden states per norm.
+    the new residual, which saves one pass over the hidden states per norm. On a GPU the add and the
+    norm are one kernel (fused_ops.rms_norm).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -18,17 +20,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class MergedLinear(nn.Linear):
@@ -56,7 +50,8 @@ class MergedLinear(nn.Linear):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection (and, on a GPU, silu and
+    the product into one kernel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -65,5 +60,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -116,7 +116,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, 1, head_dim] for the step's positions; looked up once, used by every layer."""
+        """cos, sin [N, 1, head_dim] for the step's positions; looked up once, used by every layer
+        (the fused q/k kernel reads them in place, one row per token)."""
         cos_sin = self.cos_sin_cache[positions].to(dtype)
         return cos_sin[:, 0, None], cos_sin[:, 1, None]
 

@@ -1,0 +1,330 @@
+// Fused elementwise ops of the decoder layers, one launch each where torch runs a chain of small
+// kernels: RMSNorm with the residual add, Qwen3's per-head q/k RMSNorm with the rotary embedding (in
+// place on the fused qkv output), and SiLU(gate) * up.
+//
+// Numerics: each op keeps the rounding points of the torch code it replaces (the references in
+// pagednb/model/fused_ops.py, HF transformers' numerics), so greedy outputs stay token-for-token
+// HF's. Every elementwise torch op computes in float32 and rounds to the model dtype; here each such
+// result goes through round_to<T>, and products and sums use __fmul_rn / __fadd_rn so the compiler
+// cannot contract them into an FMA (which rounds once where torch rounds twice). The one difference
+// left is the order in which a norm's float32 sum of squares is added up; torch's CUDA mean then
+// multiplies the sum by float(1 / n), and so does this file.
+//
+// Rows are read and written with 16-byte vectors; the Python side checks alignment (and falls back
+// to torch when a tensor is not aligned).
+#include <type_traits>
+
+#include "common.cuh"
+#include "launchers.h"
+
+namespace pagednb {
+
+namespace {
+
+template <typename T> __device__ __forceinline__ float round_to(float x) {
+  return Elem<T>::to_float(Elem<T>::from_float(x));
+}
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+
+// kVec floats -> one 16-byte vector of T (rounded to nearest even)
+template <typename T> __device__ __forceinline__ uint4 pack16(const float* f) {
+  if constexpr (std::is_same<T, float>::value) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  } else {
+    return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+  }
+}
+template <typename T> __device__ __forceinline__ void load_vec(const T* p, float* f) {  // may alias a store
+  Elem<T>::unpack(*reinterpret_cast<const uint4*>(p), f);
+}
+template <typename T> __device__ __forceinline__ void ldg_vec(const T* p, float* f) {  // read-only data
+  Elem<T>::unpack(ldg16(p), f);
+}
+template <typename T> __device__ __forceinline__ void store_vec(T* p, const float* f) {
+  *reinterpret_cast<uint4*>(p) = pack16<T>(f);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = add(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the CTA (blockDim.x a multiple of 32); every thread gets the same value.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  v = warp_sum(v);
+  const int warps = blockDim.x >> 5;
+  if (warps == 1) return v;
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < warps ? partial[threadIdx.x & 31] : 0.f;
+  return warp_sum(v);  // each warp adds the partials itself: no second barrier
+}
+
+// ---- RMSNorm (+ residual) ---------------------------------------------------------------------------
+// One CTA per row; thread t owns the vectors t, t + blockDim, ... (ITERS of them, kept in registers
+// between the sum of squares and the output). With a residual: s = round(x + residual) is written to
+// residual_out and normalised; out = round(w * round(s * rsqrt(mean(s^2) + eps))).
+constexpr int kNormMaxThreads = 512;
+
+template <typename T, int ITERS, bool RESIDUAL>
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out, const T* __restrict__ x, int64_t x_stride,
+                    const T* __restrict__ residual, int64_t residual_stride, const T* __restrict__ weight,
+                    int hidden, float eps, float inv_n) {
+  constexpr int VEC = Elem<T>::kVec;
+  const int64_t row = blockIdx.x;
+  const int nvec = hidden / VEC;
+  const T* xr = x + row * x_stride;
+  float v[ITERS][VEC];
+  float ss = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int i = threadIdx.x + it * blockDim.x;
+    if (i < nvec) {
+      ldg_vec(xr + i * VEC, v[it]);
+      if constexpr (RESIDUAL) {
+        float r[VEC];
+        ldg_vec(residual + row * residual_stride + i * VEC, r);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[it][e] = round_to<T>(add(v[it][e], r[e]));
+        store_vec(residual_out + row * hidden + i * VEC, v[it]);
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) ss = add(ss, mul(v[it][e], v[it][e]));
+    }
+  }
+  const float scale = rsqrtf(add(mul(block_sum(ss), inv_n), eps));
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int i = threadIdx.x + it * blockDim.x;
+    if (i < nvec) {
+      float w[VEC];
+      ldg_vec(weight + i * VEC, w);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) v[it][e] = mul(w[e], round_to<T>(mul(v[it][e], scale)));
+      store_vec(out + row * hidden + i * VEC, v[it]);
+    }
+  }
+}
+
+template <typename T, bool RESIDUAL>
+int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
+  const int nvec = a.hidden / Elem<T>::kVec;
+  int iters = 1, threads = 0;
+  for (; iters <= 8; iters *= 2) {  // the fewest vectors per thread that fit in kNormMaxThreads
+    threads = ((nvec + iters - 1) / iters + 31) / 32 * 32;
+    if (threads <= kNormMaxThreads) break;
+  }
+  T* out = static_cast<T*>(a.out);
+  T* res_out = static_cast<T*>(a.residual_out);
+  const T* x = static_cast<const T*>(a.x);
+  const T* res = static_cast<const T*>(a.residual);
+  const T* w = static_cast<const T*>(a.weight);
+  const float inv_n = 1.0f / (float)a.hidden;
+#define PAGEDNB_RMS_LAUNCH(IT)                                                                            \
+  rms_norm_kernel<T, IT, RESIDUAL><<<a.rows, threads, 0, st>>>(out, res_out, x, a.x_stride, res,            \
+                                                              a.residual_stride, w, a.hidden, a.eps, inv_n); \
+  break;
+  switch (iters) {
+    case 1: PAGEDNB_RMS_LAUNCH(1)
+    case 2: PAGEDNB_RMS_LAUNCH(2)
+    case 4: PAGEDNB_RMS_LAUNCH(4)
+    case 8: PAGEDNB_RMS_LAUNCH(8)
+    default: return -1;  // more than 8 * kNormMaxThreads vectors per row
+  }
+#undef PAGEDNB_RMS_LAUNCH
+  return (int)cudaGetLastError();
+}
+
+template <typename T>
+int launch_rms_norm_dtype(const RmsNormArgs& a, cudaStream_t st) {
+  return a.residual != nullptr ? launch_rms_norm_residual<T, true>(a, st)
+                               : launch_rms_norm_residual<T, false>(a, st);
+}
+
+// ---- q/k RMSNorm + rotary embedding, in place ---------------------------------------------------------
+// One group of LANES lanes per (token, head) of q and k; lane l holds the head's elements
+// [l * E, (l + 1) * E). The rotate-half partner of element j (j -/+ D/2) sits in lane l ^ (LANES/2)
+// at the same offset, one shuffle away. Per element, as torch computes it:
+//   (norm)  x = round(w * round(x * rsqrt(mean(x^2) + eps)))
+//   (rope)  out = round(round(x * cos) + round(rot * sin)),  rot = -x[j + D/2] (j < D/2) or x[j - D/2]
+template <typename T, int D>
+struct QkCfg {
+  static constexpr int VEC = Elem<T>::kVec;
+  static constexpr int LANES = (D / VEC) < 32 ? (D / VEC) : 32;
+  static constexpr int E = D / LANES;  // elements per lane
+  static constexpr int NV = E / VEC;   // 16-byte vectors per lane
+  static constexpr int THREADS = 128;
+  static constexpr int ITEMS = THREADS / LANES;  // (token, head) items per CTA
+  static_assert(LANES >= 2 && E % VEC == 0, "head_dim");
+};
+
+template <typename T, int D, bool NORM>
+__global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
+  using C = QkCfg<T, D>;
+  constexpr int VEC = C::VEC, LANES = C::LANES, E = C::E, NV = C::NV;
+  const int heads = a.num_heads + a.num_kv_heads;
+  const int64_t item = (int64_t)blockIdx.x * C::ITEMS + threadIdx.x / LANES;
+  const int lane = threadIdx.x % LANES;
+  // no early exit: every lane of the warp takes part in the shuffles
+  const bool valid = item < (int64_t)a.num_tokens * heads;
+  const int64_t tok = valid ? item / heads : 0;
+  const int head = valid ? (int)(item % heads) : 0;
+  const bool is_q = head < a.num_heads;
+  T* p = is_q ? static_cast<T*>(a.q) + tok * a.q_stride_tok + (int64_t)head * a.q_stride_head
+              : static_cast<T*>(a.k) + tok * a.k_stride_tok + (int64_t)(head - a.num_heads) * a.k_stride_head;
+  p += lane * E;
+
+  float v[E];
+  if (valid) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) load_vec(p + j * VEC, v + j * VEC);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = 0.f;
+  }
+
+  if constexpr (NORM) {
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss = add(ss, mul(v[e], v[e]));
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) ss = add(ss, __shfl_xor_sync(0xffffffffu, ss, o));
+    const float scale = rsqrtf(add(mul(ss, 1.0f / D), a.eps));  // D: a power of two, 1/D exact
+    if (valid) {
+      const T* w = static_cast<const T*>(is_q ? a.q_weight : a.k_weight) + lane * E;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        float wv[VEC];
+        ldg_vec(w + j * VEC, wv);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          float& x = v[j * VEC + e];
+          x = round_to<T>(mul(wv[e], round_to<T>(mul(x, scale))));
+        }
+      }
+    }
+  }
+
+  float rot[E];
+  const bool low_half = lane < LANES / 2;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float other = __shfl_xor_sync(0xffffffffu, v[e], LANES / 2);
+    rot[e] = low_half ? -other : other;
+  }
+  if (!valid) return;
+  const T* cos_row = static_cast<const T*>(a.cos) + tok * a.cos_sin_stride + lane * E;
+  const T* sin_row = static_cast<const T*>(a.sin) + tok * a.cos_sin_stride + lane * E;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    float c[VEC], s[VEC], o[VEC];
+    ldg_vec(cos_row + j * VEC, c);
+    ldg_vec(sin_row + j * VEC, s);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      o[e] = add(round_to<T>(mul(v[j * VEC + e], c[e])), round_to<T>(mul(rot[j * VEC + e], s[e])));
+    store_vec(p + j * VEC, o);
+  }
+}
+
+template <typename T, int D>
+int launch_qk_norm_rope_d(const QkRopeArgs& a, cudaStream_t st) {
+  using C = QkCfg<T, D>;
+  const int64_t items = (int64_t)a.num_tokens * (a.num_heads + a.num_kv_heads);
+  const int64_t blocks = (items + C::ITEMS - 1) / C::ITEMS;
+  if (blocks > 0x7fffffff) return -1;
+  if (a.q_weight != nullptr)
+    qk_norm_rope_kernel<T, D, true><<<(unsigned)blocks, C::THREADS, 0, st>>>(a);
+  else
+    qk_norm_rope_kernel<T, D, false><<<(unsigned)blocks, C::THREADS, 0, st>>>(a);
+  return (int)cudaGetLastError();
+}
+
+template <typename T>
+int launch_qk_norm_rope_dtype(const QkRopeArgs& a, cudaStream_t st) {
+  switch (a.head_dim) {
+    case 16: return launch_qk_norm_rope_d<T, 16>(a, st);
+    case 32: return launch_qk_norm_rope_d<T, 32>(a, st);
+    case 64: return launch_qk_norm_rope_d<T, 64>(a, st);
+    case 128: return launch_qk_norm_rope_d<T, 128>(a, st);
+    case 256: return launch_qk_norm_rope_d<T, 256>(a, st);
+    default: return -1;
+  }
+}
+
+// ---- SiLU(gate) * up ------------------------------------------------------------------------------------
+// One thread per 16-byte vector of the output; gate_up rows are [gate (I) | up (I)].
+// out = round(round(gate / (1 + exp(-gate))) * up), the expression torch's CUDA silu uses.
+template <typename T>
+__global__ void __launch_bounds__(256) silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
+                                                           int64_t stride, int inter, int64_t total_vecs) {
+  constexpr int VEC = Elem<T>::kVec;
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total_vecs) return;
+  const int nvec = inter / VEC;
+  const int64_t row = idx / nvec;
+  const int col = (int)(idx % nvec) * VEC;
+  const T* g = gate_up + row * stride + col;
+  float gv[VEC], uv[VEC];
+  ldg_vec(g, gv);
+  ldg_vec(g + inter, uv);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const float silu = round_to<T>(__fdiv_rn(gv[e], add(1.0f, expf(-gv[e]))));
+    gv[e] = mul(silu, uv[e]);
+  }
+  store_vec(out + row * inter + col, gv);
+}
+
+template <typename T>
+int launch_silu_and_mul_dtype(void* out, const void* gate_up, int64_t stride, int rows, int inter, cudaStream_t st) {
+  const int64_t total = (int64_t)rows * (inter / Elem<T>::kVec);
+  const int64_t blocks = (total + 255) / 256;
+  if (blocks > 0x7fffffff) return -1;
+  silu_and_mul_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(static_cast<T*>(out), static_cast<const T*>(gate_up),
+                                                          stride, inter, total);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+// ---- host launchers (checked by bindings.cpp) ----------------------------------------------------------
+int launch_rms_norm(int dtype, const RmsNormArgs& a, void* stream) {
+  if (a.rows <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kFloat32: return launch_rms_norm_dtype<float>(a, st);
+    case kFloat16: return launch_rms_norm_dtype<__half>(a, st);
+    case kBFloat16: return launch_rms_norm_dtype<__nv_bfloat16>(a, st);
+    default: return -1;
+  }
+}
+
+int launch_qk_norm_rope(int dtype, const QkRopeArgs& a, void* stream) {
+  if (a.num_tokens <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kFloat32: return launch_qk_norm_rope_dtype<float>(a, st);
+    case kFloat16: return launch_qk_norm_rope_dtype<__half>(a, st);
+    case kBFloat16: return launch_qk_norm_rope_dtype<__nv_bfloat16>(a, st);
+    default: return -1;
+  }
+}
+
+int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+                        void* stream) {
+  if (rows <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kFloat32: return launch_silu_and_mul_dtype<float>(out, gate_up, stride, rows, inter, st);
+    case kFloat16: return launch_silu_and_mul_dtype<__half>(out, gate_up, stride, rows, inter, st);
+    case kBFloat16: return launch_silu_and_mul_dtype<__nv_bfloat16>(out, gate_up, stride, rows, inter, st);
+    default: return -1;
+  }
+}
+
+}  // namespace pagednb

@@ -1,0 +1,286 @@
+// Temperature sampling in one launch: for each row of float32 logits, the inverse-CDF draw that
+// pagednb/engine/sampler.py makes with torch (divide by T, max, exp, cumsum, searchsorted: about eight
+// passes over [n, V]), here in one read of the row plus one chunk of it, with no row written back.
+//
+// The draw (pagednb/engine/sampling_kernel.py has it in torch): with w_j = exp(l_j / T - max_k l_k / T)
+// and one uniform u per row, the token is the first j in token-id order whose running sum of weights
+// reaches (1 - u) * sum_j w_j. One uniform per row keeps a seeded row's token a function of its own
+// logits and generator, whatever the batch.
+//
+// One CTA per row; its warps split the row into chunks of 32 lanes x kUnroll vectors (1024 tokens with
+// float4 loads, 256 without).
+//   1. Each warp reads its chunks once and keeps two numbers per chunk in shared memory: the chunk's
+//      max m_c of y = l * (log2(e) / T) and s_c = sum 2^(y - m_c) (ex2.approx: about 2 ulp, well
+//      below the float32 rounding of the sums; the base-2 scale folded into 1/T saves a multiply).
+//   2. Warp 0 rescales them to the row's max m, g_c = s_c * 2^(m_c - m), sums them in chunk order
+//      (each lane a contiguous run of chunks, sequentially; the runs' offsets by a warp scan), sets
+//      target = (1 - u) * total and picks the first chunk with g_c > 0 whose running sum reaches it.
+//   3. Warp 0 reads that chunk again and turns its weights 2^(y - m_c) <= 1 into 2^40 fixed point, so
+//      the scan inside the chunk is exact integer arithmetic: the first token whose integer prefix
+//      reaches the target's share of the chunk has a weight of at least one unit, hence a finite
+//      logit. Weights below 2^-41 of their chunk's max count as zero (a share of the chunk under 2^-31,
+//      far below what torch's float32 cumsum resolves).
+// Guards: when rounding leaves no chunk reaching the target, the last chunk with g_c > 0 is taken with
+// the target at its end, i.e. the row's last token of nonzero weight. Rows with NaN or +inf logits, or
+// all -inf, get an in-range token (that guard, or the first token at the row's max): no hang, no error.
+//
+// Cost per row: one coalesced read of the row (float4 loads when the row start, stride and length are
+// multiples of 16 bytes, else 4-byte loads), one more read of one chunk (4 KiB), 8 bytes of shared
+// memory per chunk, one barrier. 16 warps per CTA, two CTAs per SM (<= 64 registers), so a batch of
+// 256 rows runs in one wave on an H100/H200. The CTA's size depends on V only and every sum has a fixed
+// order, so the draw is a deterministic function of the row, T and u, whatever the batch; it differs
+// from torch's only when the target lies within float32 rounding (about 1e-6 of the total) of a CDF
+// boundary.
+#include "common.cuh"
+#include "launchers.h"
+
+namespace pagednb {
+
+namespace {
+
+constexpr int kSampleWarps = 16;
+constexpr int kUnroll = 8;  // vectors per lane per chunk
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kFixedOne = 1099511627776.0f;  // 2^40: 1024 weights <= 1 sum below 2^51
+
+template <int VEC> struct ChunkCfg {
+  static constexpr int kSize = 32 * kUnroll * VEC;  // tokens per chunk
+};
+// (m_c, s_c) per chunk in shared memory: at most kMaxSampleVocab / 256 chunks, within the 48 KiB a
+// launch may take without opting in.
+constexpr int kMaxSampleChunks = (kMaxSampleVocab + ChunkCfg<1>::kSize - 1) / ChunkCfg<1>::kSize;
+static_assert(kMaxSampleChunks * 8 <= 48 * 1024, "chunk table");
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ uint64_t warp_sum_u64(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+template <typename T> __device__ __forceinline__ T warp_inclusive_scan(T v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T n = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += n;
+  }
+  return v;
+}
+
+// y[e] = l * scale for the VEC tokens from j (j a multiple of VEC); -inf past the row. __fmul_rn: y rounds
+// the same way wherever it is recomputed (never contracted into a later FMA).
+template <int VEC>
+__device__ __forceinline__ void load_vec(const float* __restrict__ row, int vocab, int j, float scale, float (&y)[VEC]) {
+  float l[VEC];
+  if constexpr (VEC == 4) {
+    const float4 v = j < vocab ? __ldg(reinterpret_cast<const float4*>(row + j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
+  } else {
+    l[0] = j < vocab ? __ldg(row + j) : 0.f;
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) y[e] = j < vocab ? __fmul_rn(l[e], scale) : -INFINITY;
+}
+
+// y[k] for tokens (k * 32 + lane) * VEC + e of the chunk at `start`: each load a coalesced 32 * VEC floats.
+template <int VEC>
+__device__ __forceinline__ void load_chunk(const float* __restrict__ row, int vocab, int start, float scale,
+                                           int lane, float (&y)[kUnroll][VEC]) {
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) load_vec<VEC>(row, vocab, start + (k * 32 + lane) * VEC, scale, y[k]);
+}
+
+// A token's weight relative to its chunk's max, in units of 2^-40 (NaN -> 0).
+__device__ __forceinline__ uint64_t fixed_weight(float y, float mc) {
+  const float w = fast_exp2(y - mc);
+  return w > 0.f ? __float2ull_rn(fminf(w, 1.f) * kFixedOne) : 0ull;
+}
+
+// Chunk c's weight on the row's scale (0 for a chunk of -inf; NaN stays NaN and is never picked).
+// __fmul_rn: rounded before it is added, the same in both sweeps of step 2.
+__device__ __forceinline__ float chunk_weight(float2 stats, float m) {
+  return stats.x > -INFINITY ? __fmul_rn(stats.y, fast_exp2(stats.x - m)) : 0.f;
+}
+
+// Step 3, one warp: the token of the chunk at `start` (max mc) where the running weight, in token order,
+// reaches frac of the chunk's weight. Integer weights: the prefix is exact and monotone, so the token
+// found has a weight of at least one unit. Lane order inside a slice k is token order, and slices follow
+// each other, so a scan per slice plus a carry gives every token's prefix.
+template <int VEC>
+__device__ __forceinline__ int pick_in_chunk(const float* __restrict__ row, int vocab, int start, float scale,
+                                             float mc, double frac, int lane) {
+  float y[kUnroll][VEC];
+  load_chunk<VEC>(row, vocab, start, scale, lane, y);
+  uint64_t part[kUnroll];  // this lane's weight in slice k (tokens (k * 32 + lane) * VEC + e)
+  uint64_t mine = 0;
+  int first_max = 0x7fffffff;  // this lane's first token at the chunk's max
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    part[k] = 0;
+#pragma unroll
+    for (int e = VEC - 1; e >= 0; --e) {
+      part[k] += fixed_weight(y[k][e], mc);
+      if (y[k][e] == mc) first_max = min(first_max, (k * 32 + lane) * VEC + e);
+    }
+    mine += part[k];
+  }
+  const uint64_t total = warp_sum_u64(mine);
+  if (total == 0) {  // no finite weight (NaN or +inf logits, or all -inf): the first token at the max
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) first_max = min(first_max, __shfl_xor_sync(0xffffffffu, first_max, o));
+    return start + (first_max == 0x7fffffff ? 0 : first_max);
+  }
+  const double want = ceil(frac * (double)total);
+  const uint64_t t = !(want >= 1.0) ? 1ull : want >= (double)total ? total : (uint64_t)want;  // NaN -> 1
+  // the slice and lane where the prefix first reaches t, and that lane's prefix before its own tokens
+  int slice = -1, src = 0;
+  uint64_t below = 0, carry = 0;
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const uint64_t upto = carry + warp_inclusive_scan(part[k], lane);
+    const unsigned cross = __ballot_sync(0xffffffffu, upto >= t);
+    if (slice < 0 && cross != 0u) {  // warp-uniform
+      slice = k;
+      src = __ffs(cross) - 1;
+      below = upto - part[k];
+    }
+    carry = __shfl_sync(0xffffffffu, upto, 31);
+  }
+  int token = 0;
+  if (lane == src) {  // below < t <= below + part: one of this lane's VEC tokens reaches t
+    const int j = start + (slice * 32 + lane) * VEC;
+    float v[VEC];
+    load_vec<VEC>(row, vocab, j, scale, v);
+    int pick = VEC - 1;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      below += fixed_weight(v[e], mc);
+      if (below >= t) { pick = e; break; }
+    }
+    token = j + pick;
+  }
+  return __shfl_sync(0xffffffffu, token, src);
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kSampleWarps * 32, 2)
+    sample_temperature_kernel(const float* __restrict__ logits, int64_t row_stride, const float* __restrict__ temperature,
+                              int64_t t_stride, const float* __restrict__ uniforms, int64_t u_stride,
+                              int64_t* __restrict__ out, int vocab) {
+  constexpr int CH = ChunkCfg<VEC>::kSize;
+  extern __shared__ float2 stats[];  // [nchunks] (m_c, s_c)
+  const int64_t r = blockIdx.x;
+  const float* row = logits + r * row_stride;
+  const float scale = __fdiv_rn(kLog2e, temperature[r * t_stride]);
+  const int nchunks = (vocab + CH - 1) / CH;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+
+  // ---- 1. per-chunk max and sum of 2^(y - m_c) --------------------------------------------------------
+  for (int c = warp; c < nchunks; c += nwarps) {
+    float y[kUnroll][VEC];
+    load_chunk<VEC>(row, vocab, c * CH, scale, lane, y);
+    float mc = -INFINITY;  // fmaxf skips NaN
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) mc = fmaxf(mc, y[k][e]);
+    mc = warp_max(mc);
+    float s = 0.f;
+    if (mc > -INFINITY) {  // warp-uniform; a chunk of -inf (or past nothing) has no weight
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) s += fast_exp2(y[k][e] - mc);
+      s = warp_sum(s);
+    }
+    if (lane == 0) stats[c] = make_float2(mc, s);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+
+  // ---- 2. the chunk where the running sum reaches the target ----------------------------------------------
+  float m = -INFINITY;
+  for (int c = lane; c < nchunks; c += 32) m = fmaxf(m, stats[c].x);
+  m = warp_max(m);
+  const int per = (nchunks + 31) / 32;
+  const int c0 = min(lane * per, nchunks), c1 = min(c0 + per, nchunks);
+  float seg = 0.f;
+  for (int c = c0; c < c1; ++c) seg += chunk_weight(stats[c], m);
+  const float incl = warp_inclusive_scan(seg, lane);
+  float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) excl = 0.f;
+  // the total is the last chunk's running sum exactly as the sweep below forms it (its lane's last)
+  const float total = __shfl_sync(0xffffffffu, excl + seg, (nchunks - 1) / per);
+  const float u = uniforms[r * u_stride];
+  const float target = (1.f - u) * total;
+
+  int hit = -1, last = -1;
+  double frac = 1.0;  // where the target lies within the hit chunk's weight
+  float run = 0.f, before = excl;
+  for (int c = c0; c < c1; ++c) {
+    const float g = chunk_weight(stats[c], m);
+    run += g;
+    const float upto = excl + run;
+    if (g > 0.f) {
+      last = c;
+      if (hit < 0 && upto >= target) {
+        hit = c;
+        frac = ((double)target - (double)before) / (double)g;
+      }
+    }
+    before = upto;
+  }
+  int chunk;
+  const unsigned hits = __ballot_sync(0xffffffffu, hit >= 0);
+  if (hits != 0u) {
+    const int src = __ffs(hits) - 1;
+    chunk = __shfl_sync(0xffffffffu, hit, src);
+    frac = __shfl_sync(0xffffffffu, frac, src);
+  } else {
+    const unsigned any = __ballot_sync(0xffffffffu, last >= 0);
+    if (any != 0u) {  // rounding: the target lies past every running sum; the last weighted token
+      chunk = __shfl_sync(0xffffffffu, last, 31 - __clz(any));
+      frac = 1.0;
+    } else {  // NaN, +inf or all -inf: the chunk holding the max
+      int mine = nchunks;
+      for (int c = lane; c < nchunks; c += 32)
+        if (stats[c].x == m) { mine = c; break; }
+      for (int o = 16; o > 0; o >>= 1) mine = min(mine, __shfl_xor_sync(0xffffffffu, mine, o));
+      chunk = mine < nchunks ? mine : 0;
+      frac = 1.0 - (double)u;
+    }
+  }
+
+  // ---- 3. the token inside the chunk ------------------------------------------------------------------------
+  const int token = pick_in_chunk<VEC>(row, vocab, chunk * CH, scale, stats[chunk].x, frac, lane);
+  if (lane == 0) out[r] = token;
+}
+
+template <int VEC>
+int launch_sample_vec(const SampleArgs& a, cudaStream_t st) {
+  const int nchunks = (a.vocab + ChunkCfg<VEC>::kSize - 1) / ChunkCfg<VEC>::kSize;
+  if (nchunks > kMaxSampleChunks) return -1;
+  const int warps = nchunks < kSampleWarps ? nchunks : kSampleWarps;
+  sample_temperature_kernel<VEC><<<a.rows, warps * 32, nchunks * sizeof(float2), st>>>(
+      a.logits, a.row_stride, a.temperature, a.t_stride, a.uniforms, a.u_stride, a.out, a.vocab);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+int launch_sample_temperature(const SampleArgs& a, void* stream) {
+  if (a.rows <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const bool vec4 = reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && a.row_stride % 4 == 0 && a.vocab % 4 == 0;
+  return vec4 ? launch_sample_vec<4>(a, st) : launch_sample_vec<1>(a, st);
+}
+
+}  // namespace pagednb

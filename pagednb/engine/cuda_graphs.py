@@ -1,0 +1,127 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured once at start.
+
+A decode step of a small model is a thousand tiny kernels; launched one by one from Python the GPU
+waits on the host most of the time. Captured in a graph, a step is one launch. A graph fixes every
+address and every launch parameter, so:
+  * its inputs are the step buffers' views for its batch size (model_runner.decode_views), written in
+    place before each replay; a batch is padded up to the next bucket with rows that read one token of
+    block 0 and write nothing (slot -1);
+  * attention is planned for the longest possible sequence (max_model_len): the split-K partitions past
+    a sequence's real length find no keys and the reduce ignores them;
+  * the graph ends with the LM head, so a replay leaves the logits of every row in one static tensor.
+Graphs share one memory pool, captured largest first, so all buckets together cost about what the
+largest one does. Steps with prefill chunks, or more rows than the largest bucket, run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagednb.attention.backend import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagednb.engine.model_runner import ModelRunner
+    from pagednb.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagednb")
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.max_size = self.sizes[-1]
+        # bucket of every batch size up to the largest: the smallest captured size that holds it
+        self._bucket = [0] * (self.max_size + 1)
+        j = 0
+        for n in range(1, self.max_size + 1):
+            while self.sizes[j] < n:
+                j += 1
+            self._bucket[n] = self.sizes[j]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+
+    @staticmethod
+    def bucket_sizes(max_batch_size: int) -> list[int]:
+        """1, 2, 4, 8, then every multiple of 16 up to max_batch_size (which is always included)."""
+        sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, max_batch_size, 16))
+        return sizes + [max_batch_size]
+
+    def size_for(self, sched: SchedulerOutput) -> int | None:
+        """The bucket for this step, or None when it must run eagerly (prefill tokens, too many rows)."""
+        n = len(sched.scheduled)
+        if n > self.max_size:
+            return None
+        for s in sched.scheduled:
+            if s.num_new_tokens != 1 or not s.samples:
+                return None
+        return self._bucket[n]
+
+    def _metadata(self, batch_size: int) -> AttentionMetadata:
+        v = self.runner.decode_views(batch_size)
+        max_len = self.runner.max_model_len
+        return AttentionMetadata(
+            slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
+            block_tables=v.block_tables, max_query_len=1, max_seq_len=max_len,
+            query_start_loc_cpu=list(range(batch_size + 1)), seq_lens_cpu=[max_len] * batch_size)
+
+    def _dummy_inputs(self, batch_size: int) -> None:
+        v = self.runner.decode_views(batch_size)
+        v.host_input_ids[:] = 0
+        v.host_positions[:] = 0
+        v.host_slots[:] = -1
+        v.host_query_start_loc[:] = range(batch_size + 1)
+        v.host_seq_lens[:] = 1
+        v.host_block_tables[:] = 0
+        self.runner.buffers.upload(v)
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        runner = self.runner
+        model = runner.model
+        t0 = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(runner.device)[0]
+        pool = None
+        sizes = sorted(self.sizes, reverse=True)
+        bar = _progress(len(sizes), progress)
+        for batch_size in sizes:
+            self._dummy_inputs(batch_size)
+            v = runner.decode_views(batch_size)
+            metadata = self._metadata(batch_size)
+
+            def forward() -> torch.Tensor:
+                hidden = model(v.input_ids, v.positions, runner.kv_caches, metadata)
+                return model.compute_logits(hidden)
+
+            forward()  # warm-up: library handles, kernel attributes, the attention plan
+            torch.cuda.synchronize(runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = forward()
+            pool = graph.pool()
+            self._graphs[batch_size], self._logits[batch_size] = graph, logits
+            if bar is not None:
+                bar.update(1)
+        torch.cuda.synchronize(runner.device)
+        if bar is not None:
+            bar.close()
+        used = free_before - torch.cuda.mem_get_info(runner.device)[0]
+        logger.info("Captured %d decode CUDA graphs (batch sizes 1-%d) in %.1f s, %.2f GiB",
+                    len(self.sizes), self.max_size, time.perf_counter() - t0, used / 2**30)
+
+    def replay(self, batch_size: int) -> torch.Tensor:
+        """Runs the graph of this bucket over the inputs already written; returns its logits [bucket, V]."""
+        self._graphs[batch_size].replay()
+        self.num_replays += 1
+        return self._logits[batch_size]
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Capturing decode CUDA graphs", unit="graph", leave=False)

@@ -1,0 +1,105 @@
+"""Temperature sampling (no top-k, top-p or min-p) in one CUDA kernel.
+
+The sampler draws a row's token by inverse CDF in token-id order with one uniform u per row:
+w_j = exp(l_j / T - max(l / T)), and the token is the first j whose running sum of weights reaches
+(1 - u) * sum(w). In torch that is a division, a max, an exp, a cumsum and a searchsorted, about eight
+passes over the [n, V] float32 logits (155 MB at n = 256, V = 151936: some 0.75 ms a step on an H200).
+kernels_cuda/sampling.cu makes the same draw reading each row once, plus one chunk of it; its file
+comment has the design and where its rounding differs.
+
+  * `sample_with_temperature_reference` is the torch formula (the sampler's own code path), for tests and
+    as the fallback;
+  * `sample_with_temperature` runs the kernel, or returns None when it cannot serve (CPU tensors, the
+    library unavailable, a layout it does not take, PAGEDNB_FUSED_OPS=0 read once per process): the
+    caller then runs the torch path with the same uniforms, so seeded rows draw the same u either way.
+
+The kernel path allocates with torch.empty only and launches on the current stream, so it can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from pagednb.attention.jit import load_kernels
+
+MAX_VOCAB = 1 << 20  # kMaxSampleVocab in kernels_cuda/launchers.h (the kernel's chunk table)
+
+
+def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
+                            ) -> torch.Tensor | None:
+    """Token ids [n] int64 for logits [n, V] float32 (rows may be strided, the last dim dense),
+    temperature and uniforms [n] or [n, 1] float32 on the same device; None when the kernel cannot
+    serve these inputs."""
+    if not logits.is_cuda:
+        return None
+    kernel = _enabled_kernel()
+    return None if kernel is None else kernel.sample(logits, temperature, uniforms)
+
+
+def sample_with_temperature_reference(logits: torch.Tensor, temperature: torch.Tensor,
+                                      uniforms: torch.Tensor) -> torch.Tensor:
+    """The sampler's torch path for rows without top-k/top-p/min-p."""
+    logits = logits / temperature.reshape(-1, 1)
+    weights = (logits - logits.amax(-1, keepdim=True)).exp_()  # unnormalised; the top token is 1
+    cdf = weights.cumsum_(-1)
+    target = (1.0 - uniforms.reshape(-1, 1)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1)
+
+
+class SamplingKernel:
+    """ctypes call into kernels_cuda/sampling.cu. `sample` returns None for inputs the kernel does not
+    take and raises RuntimeError when a launch fails."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.pagednb_sample_temperature.argtypes = [vp, i64, vp, i64, vp, i64, vp, i32, i32, vp]
+        lib.pagednb_sample_temperature.restype = i32
+        self._lib = lib
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
+               ) -> torch.Tensor | None:
+        if logits.dim() != 2 or logits.dtype != torch.float32:
+            return None
+        n, vocab = logits.shape
+        if not 0 < vocab <= MAX_VOCAB or (logits.stride(1) != 1 and vocab > 1) or logits.stride(0) < 0:
+            return None
+        t_stride, u_stride = _per_row_stride(temperature, logits), _per_row_stride(uniforms, logits)
+        if t_stride is None or u_stride is None:
+            return None
+        out = torch.empty(n, dtype=torch.int64, device=logits.device)
+        if n == 0:
+            return out
+        rc = self._lib.pagednb_sample_temperature(
+            logits.data_ptr(), logits.stride(0), temperature.data_ptr(), t_stride, uniforms.data_ptr(),
+            u_stride, out.data_ptr(), n, vocab, torch.cuda.current_stream(logits.device).cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"pagednb CUDA sampling failed: {self._lib.pagednb_error_string(rc).decode()}")
+        return out
+
+
+@functools.cache
+def kernel() -> SamplingKernel | None:
+    """The sampling kernel, or None where pagednb's CUDA library is unavailable (jit.load_error() says
+    why). Built on first use with the other kernels."""
+    lib = load_kernels()
+    return None if lib is None else SamplingKernel(lib)
+
+
+@functools.cache
+def _enabled_kernel() -> SamplingKernel | None:
+    """kernel(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
+    return None if os.environ.get("PAGEDNB_FUSED_OPS", "1").strip() == "0" else kernel()
+
+
+def _per_row_stride(t: torch.Tensor, logits: torch.Tensor) -> int | None:
+    """Elements between consecutive rows' values of t ([n] or [n, 1] float32 next to logits), or None."""
+    n = logits.shape[0]
+    if t.dtype != torch.float32 or t.device != logits.device or t.numel() != n:
+        return None
+    if t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 1):
+        return t.stride(0)
+    return None

@@ -1,0 +1,85 @@
+"""Preallocated buffers for a step's inputs: filled on the host, copied to the GPU in two transfers.
+
+Building a handful of small tensors per step from Python lists costs a dozen allocations and as many
+pageable (synchronous) copies. Instead every integer input lives in one of two buffers allocated once,
+pinned on the host and mirrored on the device: int64 (token ids, positions, slots, logits rows) and
+int32 (query start offsets, sequence lengths, block tables). A step writes the host side through numpy
+views, then one asynchronous copy per buffer moves exactly the bytes it used.
+
+The layout is packed by (tokens n, sequences s, block-table width w), so the same (n, s, w) always gives
+the same device addresses: a CUDA graph captured for a batch size reads its inputs from where the next
+step with that size writes them. On a CPU the host buffers are the device buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepViews:
+    """Host (numpy) and device (torch) views of one step's inputs; index i of each pair aliases."""
+
+    host_input_ids: np.ndarray
+    host_positions: np.ndarray
+    host_slots: np.ndarray
+    host_logits_indices: np.ndarray
+    host_query_start_loc: np.ndarray
+    host_seq_lens: np.ndarray
+    host_block_tables: np.ndarray  # [s, w]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # [s, w]
+    num_i64: int
+    num_i32: int
+
+
+class StepBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks_per_seq
+        self.device = device
+        on_gpu = device.type == "cuda"
+        self.host_i64 = torch.zeros(3 * max_tokens + max_seqs, dtype=torch.int64, pin_memory=on_gpu)
+        self.host_i32 = torch.zeros(2 * max_seqs + 1 + max_seqs * max_blocks_per_seq, dtype=torch.int32,
+                                    pin_memory=on_gpu)
+        self.np_i64, self.np_i32 = self.host_i64.numpy(), self.host_i32.numpy()
+        self.dev_i64 = self.host_i64.to(device) if on_gpu else self.host_i64
+        self.dev_i32 = self.host_i32.to(device) if on_gpu else self.host_i32
+        # The copies of the last upload; the host side is rewritten only after they finish.
+        self._uploaded = torch.cuda.Event() if on_gpu else None
+
+    def views(self, n: int, s: int, w: int, num_logits: int) -> StepViews:
+        """Views for n tokens, s sequences, block tables w wide, num_logits sampled rows.
+
+        Waits for the previous upload first: a step that sampled nothing never synchronised with the GPU,
+        so its copies may still be reading the host buffers.
+        """
+        if not (n <= self.max_tokens and s <= self.max_seqs and w <= self.max_blocks and num_logits <= s):
+            raise ValueError(f"step of {n} tokens, {s} sequences, {w} blocks wide exceeds the buffers "
+                             f"({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        o64 = np.cumsum([0, n, n, n, num_logits])
+        o32 = np.cumsum([0, s + 1, s, s * w])
+        h64, h32, d64, d32 = self.np_i64, self.np_i32, self.dev_i64, self.dev_i32
+        return StepViews(
+            h64[o64[0]:o64[1]], h64[o64[1]:o64[2]], h64[o64[2]:o64[3]], h64[o64[3]:o64[4]],
+            h32[o32[0]:o32[1]], h32[o32[1]:o32[2]], h32[o32[2]:o32[3]].reshape(s, w),
+            d64[o64[0]:o64[1]], d64[o64[1]:o64[2]], d64[o64[2]:o64[3]], d64[o64[3]:o64[4]],
+            d32[o32[0]:o32[1]], d32[o32[1]:o32[2]], d32[o32[2]:o32[3]].view(s, w),
+            num_i64=int(o64[-1]), num_i32=int(o32[-1]),
+        )
+
+    def upload(self, views: StepViews) -> None:
+        """Copies the used prefix of both host buffers to the device (asynchronously)."""
+        if self._uploaded is None:
+            return
+        self.dev_i64[:views.num_i64].copy_(self.host_i64[:views.num_i64], non_blocking=True)
+        self.dev_i32[:views.num_i32].copy_(self.host_i32[:views.num_i32], non_blocking=True)
+        self._uploaded.record()

@@ -1,0 +1,224 @@
+"""Fused elementwise ops of the decoder layers: one CUDA kernel each where torch runs a chain.
+
+In a decode step the launches, not the arithmetic, take the time of these ops: torch runs about 9
+small kernels for an RMSNorm with its residual add, about 20 for Qwen3's per-head q/k norm plus the
+rotary embedding, and 2 for SiLU(gate) * up. Each op here comes in two forms:
+
+  * a reference (`*_reference`): the plain torch code with HF transformers' rounding points. It runs
+    on CPU, where pagednb's CUDA library is unavailable (jit.load_kernels() warns why), for inputs the
+    kernels do not cover (dtype, shape, alignment, autograd), and everywhere under PAGEDNB_FUSED_OPS=0
+    (read once per process);
+  * a kernel (kernels_cuda/fused_ops.cu) that keeps those rounding points: every elementwise result is
+    rounded to the model dtype where torch rounds it. Only the order in which a norm adds up its float32
+    sum of squares differs, which can move a result by one unit in the last place.
+
+The choice between them looks only at devices, dtypes, shapes, strides and pointer alignment; the
+kernel path allocates with torch.empty and launches on the current stream, so it can be captured in a
+CUDA graph.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from pagednb.attention.cuda_backend import DTYPE_CODES, HEAD_DIMS
+from pagednb.attention.jit import load_kernels
+from pagednb.model.rotary import apply_rotary
+
+MAX_NORM_ROW_BYTES = 8 * 512 * 16  # the RMSNorm kernel holds a row in registers (kernels_cuda/bindings.cpp)
+
+
+# ---- the ops ---------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [..., hidden]: out, or with a residual (out, x + residual). New tensors; the
+    inputs are left as they are."""
+    kernels = _kernels_for(x, weight, residual)
+    if kernels is not None:
+        result = kernels.rms_norm(x, weight, eps, residual)
+        if result is not None:
+            return result
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q [N, H, D] and k [N, Hkv, D] (with the weights; Qwen3), then the rotary
+    embedding with cos, sin [N, 1, D]. The kernel writes q and k in place (they may be strided views
+    of the fused qkv output) and returns them; the reference returns new tensors. Callers use the
+    returned pair and must not rely on q and k afterwards."""
+    kernels = _kernels_for(q, k, q_weight, k_weight)
+    if kernels is not None:
+        result = kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+        if result is not None:
+            return result
+    return qk_norm_rope_reference(q, k, cos, sin, q_weight, k_weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2 * I] = [gate | up]; a new [..., I] tensor."""
+    kernels = _kernels_for(gate_up)
+    if kernels is not None:
+        result = kernels.silu_and_mul(gate_up)
+        if result is not None:
+            return result
+    return silu_and_mul_reference(gate_up)
+
+
+# ---- references: the torch code the kernels reproduce ---------------------------------------------
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF's RMSNorm: x + residual added in the model dtype, normalised in float32, cast back to the
+    model dtype, then scaled by the weight."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_weight is not None:
+        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+    return apply_rotary(q, k, cos, sin)
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- the kernels -------------------------------------------------------------------------------------
+class FusedKernels:
+    """ctypes calls into kernels_cuda/fused_ops.cu. Each method returns None for inputs the kernels do
+    not cover (the op then runs its reference) and raises RuntimeError when a launch fails."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        lib.pagednb_rms_norm.argtypes = [i32, vp, vp, vp, i64, vp, i64, vp, i32, i32, f32, vp]
+        lib.pagednb_qk_norm_rope.argtypes = [i32, vp, i64, i64, vp, i64, i64, vp, vp, i64, vp, vp,
+                                             i32, i32, i32, i32, f32, vp]
+        lib.pagednb_silu_and_mul.argtypes = [i32, vp, vp, i64, i32, i32, vp]
+        for f in (lib.pagednb_rms_norm, lib.pagednb_qk_norm_rope, lib.pagednb_silu_and_mul):
+            f.restype = i32
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        code = DTYPE_CODES.get(x.dtype)
+        hidden, es = x.shape[-1], x.element_size()
+        x_stride = _row_stride(x)
+        if (code is None or x_stride is None or x.numel() == 0 or hidden * es > MAX_NORM_ROW_BYTES
+                or weight.dtype != x.dtype or weight.shape != (hidden,) or weight.stride(0) != 1
+                or weight.device != x.device):
+            return None
+        r_stride, r_ptr = 0, None
+        if residual is not None:
+            r_stride = _row_stride(residual)
+            if r_stride is None or residual.shape != x.shape or residual.dtype != x.dtype:
+                return None
+            r_ptr = residual.data_ptr()
+        if (x.data_ptr() | weight.data_ptr() | (r_ptr or 0) | (x_stride | r_stride | hidden) * es) % 16:
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        new_residual = torch.empty_like(out) if residual is not None else None
+        rc = self._lib.pagednb_rms_norm(
+            code, out.data_ptr(), None if new_residual is None else new_residual.data_ptr(), x.data_ptr(),
+            x_stride, r_ptr, r_stride, weight.data_ptr(), out.numel() // hidden, hidden, eps, _stream(x))
+        self._check(rc, "rms_norm")
+        return out if new_residual is None else (out, new_residual)
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        code = DTYPE_CODES.get(q.dtype)
+        if code is None or q.dim() != 3 or k.dim() != 3:
+            return None
+        n, heads, d = q.shape
+        if (d not in HEAD_DIMS or n == 0 or k.shape[0] != n or k.shape[2] != d or k.dtype != q.dtype
+                or q.stride(2) != 1 or k.stride(2) != 1):
+            return None
+        for t in (cos, sin):  # [N, 1, D] or [N, D]: one dense row per token
+            if (t.dtype != q.dtype or t.device != q.device or t.shape[0] != n or t.shape[-1] != d
+                    or t.numel() != n * d or t.stride(-1) != 1 or t.stride(0) != cos.stride(0)):
+                return None
+        w_ptrs = 0
+        if q_weight is not None or k_weight is not None:
+            for w in (q_weight, k_weight):
+                if w is None or w.dtype != q.dtype or w.shape != (d,) or w.stride(0) != 1 or w.device != q.device:
+                    return None
+            w_ptrs = q_weight.data_ptr() | k_weight.data_ptr()
+        strides = q.stride(0) | q.stride(1) | k.stride(0) | k.stride(1) | cos.stride(0)
+        if (q.data_ptr() | k.data_ptr() | cos.data_ptr() | sin.data_ptr() | w_ptrs
+                | strides * q.element_size()) % 16:
+            return None
+        rc = self._lib.pagednb_qk_norm_rope(
+            code, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+            None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+            n, heads, k.shape[1], d, eps, _stream(q))
+        self._check(rc, "qk_norm_rope")
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        code = DTYPE_CODES.get(gate_up.dtype)
+        stride = _row_stride(gate_up)
+        inter = gate_up.shape[-1] // 2
+        if code is None or stride is None or gate_up.shape[-1] % 2 or gate_up.numel() == 0:
+            return None
+        if (gate_up.data_ptr() | (stride | inter) * gate_up.element_size()) % 16:
+            return None
+        out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+        rc = self._lib.pagednb_silu_and_mul(code, out.data_ptr(), gate_up.data_ptr(), stride,
+                                            out.numel() // inter, inter, _stream(gate_up))
+        self._check(rc, "silu_and_mul")
+        return out
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"pagednb CUDA {what} failed: {self._lib.pagednb_error_string(rc).decode()}")
+
+
+@functools.cache
+def kernels() -> FusedKernels | None:
+    """The fused kernels, or None where pagednb's CUDA library is unavailable (jit.load_error() says
+    why). Built on first use, like the attention kernels."""
+    lib = load_kernels()
+    return None if lib is None else FusedKernels(lib)
+
+
+@functools.cache
+def _enabled_kernels() -> FusedKernels | None:
+    """kernels(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
+    return None if os.environ.get("PAGEDNB_FUSED_OPS", "1").strip() == "0" else kernels()
+
+
+def _kernels_for(x: torch.Tensor, *others: torch.Tensor | None) -> FusedKernels | None:
+    """The kernels for an op on x, or None: x is not on a GPU, autograd needs the graph (the kernels
+    have no backward), or the kernels are off or unavailable. Checked per call; cheap."""
+    if not x.is_cuda:
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)):
+        return None
+    return _enabled_kernels()
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """Elements between consecutive rows of t seen as [rows, last dim], or None if that needs a copy."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t.stride(0)
+    return t.shape[-1] if t.is_contiguous() else None
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
