@@ -12,21 +12,25 @@ import time
 from pathlib import Path
 
 import torch
-from common import print_table, save
+from common import print_table, recorded_steps, save, step_breakdown
 from shapes import SHAPES, make_model_dir
 
 from pagednb import LLM, SamplingParams
 
 
-def requests(n: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
+def requests(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
     system = [rng.randrange(vocab) for _ in range(1000)]
     return [system + [rng.randrange(vocab) for _ in range(rng.randint(20, 100))] for _ in range(n)]
 
 
-def prefill_run(model_dir: Path, prompts: list[list[int]], caching: bool) -> dict:
+def prefill_run(model_dir: Path, prompts: list[list[int]], caching: bool, warmup_prompts: list[list[int]],
+                breakdown_prompts: list[list[int]] | None = None) -> dict:
     llm = LLM(str(model_dir), max_model_len=2048, enable_prefix_caching=caching)
-    llm.generate([p[-64:] for p in prompts[:4]], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    # Warm-up at full size, on prompts with another system prompt (nothing of it can be reused below):
+    # the first large steps of a process pay one-time costs (allocator growth, library set-up) that
+    # would otherwise land on whichever run comes first (measured: ~0.35 s, most of the cached run).
+    llm.generate(warmup_prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     before = llm.stats()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -34,31 +38,47 @@ def prefill_run(model_dir: Path, prompts: list[list[int]], caching: bool) -> dic
     llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     wall = time.perf_counter() - t0
     after = llm.stats()
+    breakdown = None
+    if breakdown_prompts is not None:  # again, each step timed, on prompts of a fresh system prompt
+        with recorded_steps(llm) as steps:
+            t1 = time.perf_counter()
+            llm.generate(breakdown_prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+            breakdown = {"wall_s": time.perf_counter() - t1, **step_breakdown(steps)}
     llm.close()
     queried = after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"]
     hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
     tokens = sum(map(len, prompts))
     return {"wall_s": wall, "prompt_tokens": tokens, "prefill_tok_per_s": tokens / wall,
             "computed_tokens": after["computed_tokens"] - before["computed_tokens"],
-            "hit_rate": hits / queried if queried else 0.0}
+            "hit_rate": hits / queried if queried else 0.0, "breakdown": breakdown}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--breakdown", action="store_true", help="a second run of each, with each step timed")
     args = parser.parse_args()
     prompts = requests(args.requests, SHAPES[args.shape]["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
-        runs = {"with prefix cache": prefill_run(model_dir, prompts, True),
-                "without": prefill_run(model_dir, prompts, False)}
+        vocab = SHAPES[args.shape]["vocab_size"]
+        warmup = requests(args.requests, vocab, seed=2)
+        other = requests(args.requests, vocab, seed=1) if args.breakdown else None
+        runs = {"with prefix cache": prefill_run(model_dir, prompts, True, warmup, other),
+                "without": prefill_run(model_dir, prompts, False, warmup, other)}
     speedup = runs["with prefix cache"]["prefill_tok_per_s"] / runs["without"]["prefill_tok_per_s"]
     print(f"\n{args.requests} requests sharing a 1,000-token system prompt (target: >= 4x with caching)")
     print_table(["run", "prompt tokens", "tokens computed", "wall s", "prefill tok/s", "hit rate"],
                 [[k, r["prompt_tokens"], r["computed_tokens"], r["wall_s"], r["prefill_tok_per_s"], r["hit_rate"]]
                  for k, r in runs.items()])
     print(f"speed-up {speedup:.2f}x")
+    for name, r in runs.items():
+        if r["breakdown"]:
+            b = r["breakdown"]
+            print(f"{name}, timed steps: wall {b['wall_s']:.3f} s; " + "; ".join(
+                f"{k}: {v['steps']} steps, GPU {v['gpu_s']:.3f} s, wall {v['wall_s']:.3f} s"
+                for k, v in b.items() if isinstance(v, dict)))
     print(f"wrote {save(f'prefix_cache_{args.shape}', {'shape': args.shape, 'runs': runs, 'speedup': speedup})}")
 
 

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pagednb.attention.selector import select_attention_backend
@@ -305,8 +306,10 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len "
                              f"({self.max_model_len}) to leave room for output")
         vocab = self.spec.vocab_size
-        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
-        if bad is not None:
+        ids = np.asarray(token_ids)  # one C loop: prompts of thousands of tokens arrive by the hundred
+        outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if outside.size:
+            bad = int(outside[0])
             raise ValueError(f"prompt_token_ids[{bad}] = {token_ids[bad]} is outside the vocabulary [0, {vocab})")
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -323,8 +326,13 @@ def _as_token_list(token_ids) -> list[int]:
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.tolist()
     ids = list(token_ids)
-    if not all(isinstance(t, int) for t in ids):
-        raise ValueError("prompt_token_ids must be a list of ints")
+    if ids:  # checked in one C loop: floats, bools, strings, nested lists and huge ints are refused
+        try:
+            array = np.asarray(ids)
+        except (ValueError, TypeError):
+            array = None
+        if array is None or array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError("prompt_token_ids must be a list of ints")
     return ids
 
 
