@@ -51,7 +51,8 @@ class StepTimer:
                                                 "process_outputs": [], "step_total": []}
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "prepare_inputs", "build_inputs")
-        self._wrap(engine.runner, "execute", "_execute")
+        self._wrap(engine.runner, "launch", "_launch")
+        self._wrap(engine.runner, "collect", "_collect")
 
     def _wrap(self, obj, method, key):
         inner = getattr(obj, method)
@@ -67,7 +68,7 @@ class StepTimer:
         t0 = time.perf_counter()
         outs = self.engine.step()
         total = time.perf_counter() - t0
-        execute = self.samples["_execute"][-1]
+        execute = self.samples["_launch"][-1] + self.samples["_collect"][-1]  # a CPU step is synchronous
         schedule = self.samples["schedule"][-1]
         build = self.samples["build_inputs"][-1]
         self.samples["step_total"].append(total)

@@ -128,11 +128,6 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[int], SamplerOutput | None]:
-        """Runs the scheduled tokens and waits for them: launch() then collect()."""
-        return self.collect(self.launch(sched))
-
-    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queues the step's forward pass and sampling on the device; returns without waiting for them.
 
