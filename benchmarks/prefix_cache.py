@@ -28,8 +28,8 @@ def prefill_run(model_dir: Path, prompts: list[list[int]], caching: bool, warmup
                 breakdown_prompts: list[list[int]] | None = None) -> dict:
     llm = LLM(str(model_dir), max_model_len=2048, enable_prefix_caching=caching)
     # Warm-up at full size, on prompts with another system prompt (nothing of it can be reused below):
-    # the first large steps of a process pay one-time costs (allocator growth, library set-up) that
-    # would otherwise land on whichever run comes first (measured: ~0.35 s, most of the cached run).
+    # the first large steps of a process pay a one-time cost (measured: ~0.35 s, most of the cached run;
+    # the cause is not pinned down) that would otherwise land on whichever run comes first.
     llm.generate(warmup_prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     before = llm.stats()
     if torch.cuda.is_available():
