@@ -42,6 +42,33 @@ def print_table(headers: list[str], rows: list[list]) -> None:
 
 
 @contextlib.contextmanager
+def timed_calls(targets: list[tuple[object, str, str]]):
+    """While active, every call of obj.name (for each (obj, name, label)) appends its duration in
+    seconds to times[label]; yields times. The methods are put back afterwards."""
+    times: dict[str, list[float]] = {label: [] for _, _, label in targets}
+    saved = []
+    for obj, name, label in targets:
+        inner = getattr(obj, name)
+        saved.append((obj, name, vars(obj).get(name)))  # None: the attribute lives on the class
+
+        def timed(*args, _inner=inner, _samples=times[label], **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                _samples.append(time.perf_counter() - t0)
+        setattr(obj, name, timed)
+    try:
+        yield times
+    finally:
+        for obj, name, raw in reversed(saved):
+            if raw is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, raw)
+
+
+@contextlib.contextmanager
 def recorded_steps(llm):
     """Records every launched step while active: rows, tokens, whether it was all decode, and GPU ms
     between events around its launch (recorded when queued, read when it is collected), plus the

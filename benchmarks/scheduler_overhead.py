@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import print_table, save  # noqa: E402
+from common import print_table, save, timed_calls  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -43,37 +43,23 @@ class StubModel(torch.nn.Module):
 
 
 class StepTimer:
-    """Wraps the engine's stages so each step's time is split without changing the engine."""
+    """Splits each step's time by the engine's stages (timed calls), without changing the engine."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, calls: dict[str, list[float]]):
+        self.engine, self.calls = engine, calls
         self.samples: dict[str, list[float]] = {"schedule": [], "build_inputs": [], "model_and_sampler": [],
                                                 "process_outputs": [], "step_total": []}
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "prepare_inputs", "build_inputs")
-        self._wrap(engine.runner, "launch", "_launch")
-        self._wrap(engine.runner, "collect", "_collect")
-
-    def _wrap(self, obj, method, key):
-        inner = getattr(obj, method)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            result = inner(*args, **kwargs)
-            self.samples.setdefault(key, []).append(time.perf_counter() - t0)
-            return result
-        setattr(obj, method, timed)
 
     def step(self):
         t0 = time.perf_counter()
         outs = self.engine.step()
         total = time.perf_counter() - t0
-        execute = self.samples["_launch"][-1] + self.samples["_collect"][-1]  # a CPU step is synchronous
-        schedule = self.samples["schedule"][-1]
-        build = self.samples["build_inputs"][-1]
-        self.samples["step_total"].append(total)
-        self.samples["model_and_sampler"].append(execute - build)
-        self.samples["process_outputs"].append(total - execute - schedule)
+        calls = self.calls
+        execute = calls["launch"][-1] + calls["collect"][-1]  # a CPU step is synchronous
+        schedule, build = calls["schedule"][-1], calls["build_inputs"][-1]
+        for key, value in (("schedule", schedule), ("build_inputs", build), ("step_total", total),
+                           ("model_and_sampler", execute - build), ("process_outputs", total - execute - schedule)):
+            self.samples[key].append(value)
         return outs
 
 
@@ -88,11 +74,14 @@ def run(output_kind: RequestOutputKind, num_requests: int, steps: int, model_dir
     assert len(engine.scheduler.running) == num_requests
     if stub:
         engine.runner.model = StubModel(engine.runner.model)
-    timer = StepTimer(engine)
-    for _ in range(steps):
-        timer.step()
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare_inputs", "build_inputs"),
+               (engine.runner, "launch", "launch"), (engine.runner, "collect", "collect")]
+    with timed_calls(targets) as calls:
+        timer = StepTimer(engine, calls)
+        for _ in range(steps):
+            timer.step()
     llm.close()
-    med = {k: statistics.median(v) * 1e3 for k, v in timer.samples.items() if not k.startswith("_")}
+    med = {k: statistics.median(v) * 1e3 for k, v in timer.samples.items()}
     med["outside_model"] = med["schedule"] + med["build_inputs"] + med["process_outputs"]
     return med
 

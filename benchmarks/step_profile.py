@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import print_table, recorded_steps, save
+from common import print_table, recorded_steps, save, timed_calls
 from shapes import SHAPES, make_model_dir
 
 from pagednb import LLM, RequestOutputKind, SamplingParams
@@ -43,51 +43,29 @@ def host_phases(llm: LLM, batch: int, context: int, vocab: int) -> dict:
     import pagednb.engine.model_runner as model_runner
     engine, runner = llm.engine, llm.engine.runner
     targets = [(engine.scheduler, "schedule"), (engine.scheduler, "update_from_output"), (runner, "launch"),
-               (runner, "collect"), (runner, "_fill_decode"), (runner, "_feed_pending"), (runner.buffers, "views"),
+               (runner, "collect"), (runner, "_fill_decode"), (runner, "_gather_pending"), (runner.buffers, "views"),
                (runner.buffers, "upload"), (runner.stager, "next_step"), (runner.sampler, "forward"),
-               (engine.output_processor, "detokenize"), (engine.output_processor, "make_outputs")]
+               (engine.output_processor, "detokenize"), (engine.output_processor, "make_outputs"),
+               (model_runner.SamplingMetadata, "build")]
     if runner.graphs is not None:
         targets.append((runner.graphs, "replay"))
-    times: dict[str, list[float]] = {}
-    originals = []
-    for obj, name in targets:
-        inner = getattr(obj, name)
-        originals.append((obj, name, inner))
-
-        def timed(*a, _inner=inner, _key=f"{type(obj).__name__}.{name}", **k):
-            t0 = time.perf_counter()
-            try:
-                return _inner(*a, **k)
-            finally:
-                times.setdefault(_key, []).append((time.perf_counter() - t0) * 1e3)
-        setattr(obj, name, timed)
-    real_build = model_runner.SamplingMetadata.build
-
-    def build(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return real_build(*a, **k)
-        finally:
-            times.setdefault("SamplingMetadata.build", []).append((time.perf_counter() - t0) * 1e3)
-    model_runner.SamplingMetadata.build = build
+    targets = [(obj, name, f"{obj.__name__ if isinstance(obj, type) else type(obj).__name__}.{name}")
+               for obj, name in targets]
     for i in range(batch):
         engine.add_request(f"phase{batch}-{i}", [(19 * i + j) % vocab for j in range(context)],
                            SamplingParams(temperature=0.6, max_tokens=40, ignore_eos=True,
                                           output_kind=RequestOutputKind.FINAL_ONLY))
     while any(r.num_output_tokens < 4 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    times.clear()
     steps = []
-    for _ in range(25):
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append((time.perf_counter() - t0) * 1e3)
+    with timed_calls(targets) as times:
+        for _ in range(25):
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - t0) * 1e3)
     while engine.has_unfinished_requests():
         engine.step()
-    for obj, name, inner in originals:
-        setattr(obj, name, inner)
-    model_runner.SamplingMetadata.build = real_build
-    result = {k: statistics.median(v) for k, v in times.items()}
+    result = {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
     result["engine.step"] = statistics.median(steps)
     return result
 

@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagednb import LLM, SamplingParams
-from pagednb.engine import block_pool
 
 PROMPT_POOL = [list(range(3, 3 + n)) for n in (1, 5, 16, 17, 33)] + [[7] * 20, [7] * 20 + [9, 10]]
 

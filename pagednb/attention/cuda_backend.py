@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from pagednb.attention.backend import AttentionBackend, AttentionMetadata
-from pagednb.attention.jit import load_error, load_kernels
+from pagednb.attention.jit import check_status, current_stream, load_error, load_kernels
 from pagednb.attention.torch_ref import TorchReferenceBackend
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -132,7 +132,7 @@ class CudaPagedBackend(AttentionBackend):
         rc = self._lib.pagednb_write_kv(
             key.data_ptr(), value.data_ptr(), key.stride(0) * es, value.stride(0) * es, kv_cache.data_ptr(),
             kv_cache.shape[1] * kv_cache.shape[2] * row_bytes, slot_mapping.data_ptr(), n, row_bytes,
-            torch.cuda.current_stream(kv_cache.device).cuda_stream)
+            current_stream(kv_cache))
         self._check(rc, "write_kv")
 
     # ---- attention -------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class CudaPagedBackend(AttentionBackend):
         p.scale_log2 = scale * LOG2E
         p.variant = self.prefill_variant
         p.row_variant = self.row_variant
-        stream = torch.cuda.current_stream(query.device).cuda_stream
+        stream = current_stream(query)
 
         rows_on_cuda_cores = query.dtype == torch.float32 or not plan.has_chunk
         if rows_on_cuda_cores or plan.num_decode:
@@ -214,5 +214,4 @@ class CudaPagedBackend(AttentionBackend):
         return P.value, size.value, groups.value
 
     def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise RuntimeError(f"pagednb CUDA {what} failed: {self._lib.pagednb_error_string(rc).decode()}")
+        check_status(self._lib, rc, what)

@@ -132,6 +132,22 @@ def _build_and_load(quiet: bool) -> ctypes.CDLL:
     return lib
 
 
+def check_status(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    """Raises RuntimeError naming the failed call and CUDA's message for a nonzero status."""
+    if rc != 0:
+        raise RuntimeError(f"pagednb CUDA {what} failed: {lib.pagednb_error_string(rc).decode()}")
+
+
+def fused_ops_disabled() -> bool:
+    """PAGEDNB_FUSED_OPS=0: the fused elementwise and sampling kernels stay off (attention is unaffected)."""
+    return os.environ.get("PAGEDNB_FUSED_OPS", "1").strip() == "0"
+
+
+def current_stream(t: torch.Tensor) -> int:
+    """The raw handle of the stream torch would run work on t's device on (capture streams included)."""
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     ip = ctypes.POINTER(ctypes.c_int)

@@ -70,13 +70,9 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(batch_size + 1)), seq_lens_cpu=[max_len] * batch_size)
 
     def _dummy_inputs(self, batch_size: int) -> None:
+        """Every row a padding row: the capture writes nothing into the cache."""
         v = self.runner.decode_views(batch_size)
-        v.host_input_ids[:] = 0
-        v.host_positions[:] = 0
-        v.host_slots[:] = -1
-        v.host_query_start_loc[:] = range(batch_size + 1)
-        v.host_seq_lens[:] = 1
-        v.host_block_tables[:] = 0
+        self.runner.pad_decode_inputs(v, 0)
         self.runner.buffers.upload(v)
 
     @torch.inference_mode()

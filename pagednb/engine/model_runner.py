@@ -30,10 +30,13 @@ class LaunchedStep:
     plain device-to-host copy would queue behind that one).
     """
 
-    token_ids: torch.Tensor | None
     sampler_output: SamplerOutput | None
     host_token_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        return None if self.sampler_output is None else self.sampler_output.token_ids
 
 
 @dataclass
@@ -142,10 +145,9 @@ class ModelRunner:
             logits = self.graphs.replay(graph_size)[:len(sampled_reqs)]
         else:
             inputs, sampled_reqs = self.prepare_inputs(sched)
-            self._feed_pending(sched, inputs)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             if not sampled_reqs:
-                return LaunchedStep(None, None)
+                return LaunchedStep(None)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         # built while the GPU runs the forward; its tensors travel through pinned memory, so nothing
         # here waits for the device
@@ -156,7 +158,7 @@ class ModelRunner:
             generator=self.generator, stager=self.stager)
         result = self.sampler(logits, sampling)
         self._last_sampled = (result.token_ids, {r.request_id: i for i, r in enumerate(sampled_reqs)})
-        launched = LaunchedStep(result.token_ids, result)
+        launched = LaunchedStep(result)
         if self.device.type == "cuda":
             slot = self._token_slot = (self._token_slot + 1) % len(self._host_tokens)
             host, ready = self._host_tokens[slot], self._tokens_ready[slot]
@@ -175,21 +177,6 @@ class ModelRunner:
             return launched.token_ids.tolist(), launched.sampler_output
         launched.ready.synchronize()
         return launched.host_token_ids.tolist(), launched.sampler_output
-
-    def _feed_pending(self, sched: SchedulerOutput, inputs) -> None:
-        """Overwrites the inputs of rows whose token is still on the device with that token."""
-        rows, sources = [], []
-        offset = 0
-        for s in sched.scheduled:
-            req = s.request
-            if req.num_pending_tokens and s.start + s.num_new_tokens > len(req.all_token_ids):
-                if s.num_new_tokens != 1 or s.start != len(req.all_token_ids):
-                    raise RuntimeError(f"request {req.request_id}: a pending token must be a lone decode input")
-                rows.append(offset)
-                sources.append(self._last_sampled[1][req.request_id])
-            offset += s.num_new_tokens
-        if rows:
-            self._gather_pending(inputs.input_ids, rows, sources)
 
     def _gather_pending(self, input_ids: torch.Tensor, rows: list[int], sources: list[int]) -> None:
         """input_ids[rows] = the previous launch's sampled tokens[sources], on the device."""
@@ -210,11 +197,17 @@ class ModelRunner:
         self._update_block_table(sched)
         token_ids: list[int] = []
         starts, lens, rows, sampled_reqs, sample_mask = [], [], [], [], []
+        pending_rows, pending_sources = [], []
         row_of = self.block_table.row_of
         for s in sched.scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
-            if n == 1:  # a pending token (see _feed_pending) gets a placeholder
-                token_ids.append(req.all_token_ids[start] if start < len(req.all_token_ids) else 0)
+            if n == 1:
+                if start < len(req.all_token_ids):
+                    token_ids.append(req.all_token_ids[start])
+                else:  # still on the device: a placeholder, overwritten there (_gather_pending)
+                    pending_rows.append(len(token_ids))
+                    pending_sources.append(self._last_sampled[1][req.request_id])
+                    token_ids.append(0)
             else:
                 token_ids += req.all_token_ids[start:start + n]
             starts.append(start)
@@ -243,6 +236,8 @@ class ModelRunner:
         v.host_seq_lens[:] = seq_lens
         v.host_block_tables[:] = table[rows_np, :width]
         self.buffers.upload(v)
+        if pending_rows:
+            self._gather_pending(v.input_ids, pending_rows, pending_sources)
         metadata = AttentionMetadata(
             slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
             block_tables=v.block_tables, max_query_len=int(lens_np.max()), max_seq_len=max_seq_len,
@@ -252,6 +247,16 @@ class ModelRunner:
     def decode_views(self, batch_size: int) -> StepViews:
         """Where a decode step of batch_size rows (padded) keeps its inputs; fixed per batch size."""
         return self.buffers.views(batch_size, batch_size, self.max_blocks_per_seq, batch_size)
+
+    def pad_decode_inputs(self, v: StepViews, num_rows: int) -> None:
+        """One sequence per row; rows from num_rows on are padding: one token at position 0 of block 0,
+        never written (slot -1), output ignored."""
+        v.host_query_start_loc[:] = self._aranges[:len(v.host_query_start_loc)]
+        v.host_input_ids[num_rows:] = 0
+        v.host_positions[num_rows:] = 0
+        v.host_slots[num_rows:] = -1
+        v.host_seq_lens[num_rows:] = 1
+        v.host_block_tables[num_rows:, 0] = 0
 
     def _fill_decode(self, sched: SchedulerOutput, batch_size: int) -> tuple[StepViews, list]:
         """Writes a decode-only step into the inputs of the graph for batch_size; pads the rest. Rows
@@ -281,14 +286,8 @@ class ModelRunner:
         table = self.block_table.table
         v.host_slots[:n] = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
         v.host_seq_lens[:n] = positions + 1
-        v.host_query_start_loc[:] = self._aranges[:batch_size + 1]
         v.host_block_tables[:n] = table[rows]
-        # padding rows: one token at position 0 of block 0, never written (slot -1), output ignored
-        v.host_input_ids[n:] = 0
-        v.host_positions[n:] = 0
-        v.host_slots[n:] = -1
-        v.host_seq_lens[n:] = 1
-        v.host_block_tables[n:, 0] = 0
+        self.pad_decode_inputs(v, n)
         self.buffers.upload(v)
         if pending_rows:
             self._gather_pending(v.input_ids, pending_rows, pending_sources)

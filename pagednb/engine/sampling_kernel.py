@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from pagednb.attention.jit import load_kernels
+from pagednb.attention.jit import check_status, current_stream, fused_ops_disabled, load_kernels
 
 MAX_VOCAB = 1 << 20  # kMaxSampleVocab in kernels_cuda/launchers.h (the kernel's chunk table)
 
@@ -75,9 +74,8 @@ class SamplingKernel:
             return out
         rc = self._lib.pagednb_sample_temperature(
             logits.data_ptr(), logits.stride(0), temperature.data_ptr(), t_stride, uniforms.data_ptr(),
-            u_stride, out.data_ptr(), n, vocab, torch.cuda.current_stream(logits.device).cuda_stream)
-        if rc != 0:
-            raise RuntimeError(f"pagednb CUDA sampling failed: {self._lib.pagednb_error_string(rc).decode()}")
+            u_stride, out.data_ptr(), n, vocab, current_stream(logits))
+        check_status(self._lib, rc, "sampling")
         return out
 
 
@@ -92,7 +90,7 @@ def kernel() -> SamplingKernel | None:
 @functools.cache
 def _enabled_kernel() -> SamplingKernel | None:
     """kernel(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
-    return None if os.environ.get("PAGEDNB_FUSED_OPS", "1").strip() == "0" else kernel()
+    return None if fused_ops_disabled() else kernel()
 
 
 def _per_row_stride(t: torch.Tensor, logits: torch.Tensor) -> int | None:

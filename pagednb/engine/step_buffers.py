@@ -65,15 +65,16 @@ class StepBuffers:
                              f"({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
         if self._uploaded is not None:
             self._uploaded.synchronize()
-        o64 = np.cumsum([0, n, n, n, num_logits])
-        o32 = np.cumsum([0, s + 1, s, s * w])
+        # int64: ids [0, n), positions [n, 2n), slots [2n, 3n), logits rows [3n, 3n + num_logits);
+        # int32: query starts [0, s + 1), lengths [s + 1, 2s + 1), tables [2s + 1, 2s + 1 + s * w)
+        e64, e32 = 3 * n + num_logits, 2 * s + 1 + s * w
         h64, h32, d64, d32 = self.np_i64, self.np_i32, self.dev_i64, self.dev_i32
         return StepViews(
-            h64[o64[0]:o64[1]], h64[o64[1]:o64[2]], h64[o64[2]:o64[3]], h64[o64[3]:o64[4]],
-            h32[o32[0]:o32[1]], h32[o32[1]:o32[2]], h32[o32[2]:o32[3]].reshape(s, w),
-            d64[o64[0]:o64[1]], d64[o64[1]:o64[2]], d64[o64[2]:o64[3]], d64[o64[3]:o64[4]],
-            d32[o32[0]:o32[1]], d32[o32[1]:o32[2]], d32[o32[2]:o32[3]].view(s, w),
-            num_i64=int(o64[-1]), num_i32=int(o32[-1]),
+            h64[:n], h64[n:2 * n], h64[2 * n:3 * n], h64[3 * n:e64],
+            h32[:s + 1], h32[s + 1:2 * s + 1], h32[2 * s + 1:e32].reshape(s, w),
+            d64[:n], d64[n:2 * n], d64[2 * n:3 * n], d64[3 * n:e64],
+            d32[:s + 1], d32[s + 1:2 * s + 1], d32[2 * s + 1:e32].view(s, w),
+            num_i64=e64, num_i32=e32,
         )
 
     def upload(self, views: StepViews) -> None:

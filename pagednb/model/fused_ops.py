@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from pagednb.attention.cuda_backend import DTYPE_CODES, HEAD_DIMS
-from pagednb.attention.jit import load_kernels
+from pagednb.attention.jit import check_status, current_stream, fused_ops_disabled, load_kernels
 from pagednb.model.rotary import apply_rotary
 
 MAX_NORM_ROW_BYTES = 8 * 512 * 16  # the RMSNorm kernel holds a row in registers (kernels_cuda/bindings.cpp)
@@ -134,7 +133,7 @@ class FusedKernels:
         new_residual = torch.empty_like(out) if residual is not None else None
         rc = self._lib.pagednb_rms_norm(
             code, out.data_ptr(), None if new_residual is None else new_residual.data_ptr(), x.data_ptr(),
-            x_stride, r_ptr, r_stride, weight.data_ptr(), out.numel() // hidden, hidden, eps, _stream(x))
+            x_stride, r_ptr, r_stride, weight.data_ptr(), out.numel() // hidden, hidden, eps, current_stream(x))
         self._check(rc, "rms_norm")
         return out if new_residual is None else (out, new_residual)
 
@@ -166,7 +165,7 @@ class FusedKernels:
             code, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
             cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-            n, heads, k.shape[1], d, eps, _stream(q))
+            n, heads, k.shape[1], d, eps, current_stream(q))
         self._check(rc, "qk_norm_rope")
         return q, k
 
@@ -180,13 +179,12 @@ class FusedKernels:
             return None
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
         rc = self._lib.pagednb_silu_and_mul(code, out.data_ptr(), gate_up.data_ptr(), stride,
-                                            out.numel() // inter, inter, _stream(gate_up))
+                                            out.numel() // inter, inter, current_stream(gate_up))
         self._check(rc, "silu_and_mul")
         return out
 
     def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise RuntimeError(f"pagednb CUDA {what} failed: {self._lib.pagednb_error_string(rc).decode()}")
+        check_status(self._lib, rc, what)
 
 
 @functools.cache
@@ -200,7 +198,7 @@ def kernels() -> FusedKernels | None:
 @functools.cache
 def _enabled_kernels() -> FusedKernels | None:
     """kernels(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
-    return None if os.environ.get("PAGEDNB_FUSED_OPS", "1").strip() == "0" else kernels()
+    return None if fused_ops_disabled() else kernels()
 
 
 def _kernels_for(x: torch.Tensor, *others: torch.Tensor | None) -> FusedKernels | None:
@@ -219,6 +217,3 @@ def _row_stride(t: torch.Tensor) -> int | None:
         return t.stride(0)
     return t.shape[-1] if t.is_contiguous() else None
 
-
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
