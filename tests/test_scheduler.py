@@ -176,3 +176,18 @@ def test_random_add_step_abort_sequences_keep_the_pool_consistent(ops, policy, c
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     pool.check_integrity({})
+
+
+def test_blocks_offered_within_a_step_are_withdrawn_when_their_owner_frees_them():
+    """A later admission in the same step may share blocks an earlier request is computing, but not
+    once that request was freed (preempted) and its blocks went to someone else."""
+    kv = KVCacheManager(BlockPool(4, True), B)
+    shared = list(range(3, 3 + 3 * B))
+    kv.begin_step()
+    a = make_request(prompt=shared)
+    assert kv.allocate_slots(a, 3 * B, kv.find_prefix_hit(a)) is not None  # 3 full blocks offered
+    kv.free(a)
+    b = make_request(prompt=[40] * (4 * B))
+    assert len(kv.allocate_slots(b, 4 * B, kv.find_prefix_hit(b))) == 4  # every block, a's included
+    c = make_request(prompt=shared + [9])
+    assert kv.find_prefix_hit(c).num_tokens == 0

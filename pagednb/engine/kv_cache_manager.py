@@ -37,7 +37,8 @@ class KVCacheManager:
         self.caching = pool.enable_caching
         # Full blocks that requests scheduled earlier in this step will compute: a request admitted
         # later in the same step may share them, because a step writes every new K/V of a layer before
-        # any of its queries attend. They join the real cache only after the step ran (commit_computed).
+        # any of its queries attend. They join the real cache only after the step ran (commit_computed);
+        # a free while scheduling (a preemption) withdraws them all, since its blocks may be reused.
         self._this_step: dict[BlockHash, list[tuple[KVBlock, tuple[int, ...], KVBlock | None]]] = {}
 
     def begin_step(self) -> None:
@@ -99,7 +100,7 @@ class KVCacheManager:
     def _share_this_step(self, req: Request, state: _RequestBlocks, num_full: int) -> None:
         """Offers the full blocks this step computes for req to requests scheduled after it."""
         first = state.num_cached
-        if num_full <= first or len(self._this_step) > 4 * len(self.pool.blocks):
+        if num_full <= first:
             return
         self._extend_hashes(req, state, num_full)
         for i in range(first, num_full):
@@ -110,7 +111,7 @@ class KVCacheManager:
     def _lookup_this_step(self, block_hash: BlockHash, tokens: tuple[int, ...], parent: KVBlock | None
                           ) -> KVBlock | None:
         for block, block_tokens, block_parent in self._this_step.get(block_hash, ()):
-            if block_tokens == tokens and block_parent is parent and block.ref_cnt > 0:
+            if block_tokens == tokens and block_parent is parent:
                 return block
         return None
 
@@ -133,6 +134,8 @@ class KVCacheManager:
         state = self._reqs.pop(req.request_id, None)
         if state is not None:
             self.pool.free(block for block in reversed(state.blocks) if block is not None)
+            if self._this_step:  # (a preemption while scheduling) its blocks may go to anyone now
+                self._this_step.clear()
 
     def block_ids(self, request_id: str) -> list[int]:
         state = self._reqs.get(request_id)
