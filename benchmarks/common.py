@@ -32,6 +32,21 @@ def save(name: str, result: dict) -> Path:
     return path
 
 
+def capture_graph(calls) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of the calls in order, after a warm-up of each on a side stream (as torch asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    return graph
+
+
 def print_table(headers: list[str], rows: list[list]) -> None:
     cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]

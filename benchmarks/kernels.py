@@ -1,6 +1,8 @@
 """pagednb's CUDA kernels beside torch SDPA on contiguous KV of the same shape, measured in one run.
 
-Rows (32 q / 8 kv heads x 128, bf16, block size 16, shuffled blocks):
+Rows (32 q / 8 kv heads x 128 (--head-dim), bf16, block size 16, shuffled blocks); decode rows time the
+row-kernel variants 0, 1 and 2 (the default; at --head-dim 64 it is the tensor-core kernel for this
+4-heads-per-kv-head shape, at 128 the same as 1):
   decode B=64 T=4096 and B=256 T=1024   target: time within 1.1x of SDPA's
   decode B=1 T=32768 (split-K)          target: >= 2,500 GB/s of K+V read
   prefill chunk 2048 over 2048 cached   target: >= 60% of SDPA's causal throughput (TFLOP/s), SDPA left
@@ -11,7 +13,7 @@ Rows (32 q / 8 kv heads x 128, bf16, block size 16, shuffled blocks):
 Timing: each variant is captured in a CUDA graph and replayed back to back, rotating between input sets
 whose total exceeds the 60 MB L2 several times where one set does not; one CUDA event per replay, median.
 
-    python benchmarks/kernels.py [--reps 30] [--prefill-variants 0,10] [--only prefill]
+    python benchmarks/kernels.py [--reps 30] [--prefill-variants 0,10] [--only prefill|decode] [--head-dim 64]
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # pagednb from this checkout
 
-from common import print_table, save  # noqa: E402
+from common import capture_graph, print_table, save  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -45,17 +47,7 @@ def time_ms(fns, reps: int, graph: bool = True) -> float:
     try:
         if not graph:
             raise RuntimeError("eager timing asked for")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        for f in fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                f()
-            calls.append(g.replay)
+        calls = [capture_graph([f]).replay for f in fns]
     except Exception as exc:  # noqa: BLE001
         if graph:
             print(f"  (graph capture failed: {exc!r}; timing eager calls)")
@@ -118,12 +110,12 @@ def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
     n = sets_for(kv_bytes)
     sets = [paged_decode_inputs(B, T, gen) for _ in range(n)]
     by_variant = {}
-    for variant in (0, 1):  # 0: direct loads, 1: cp.async ring (the default)
+    for variant in (0, 1, 2):  # 0: direct loads, 1: cp.async ring, 2: tensor cores for 4-16 heads per kv head
         backend.row_variant = variant
         by_variant[variant] = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in sets],
                                       reps)
-    backend.row_variant = 1
-    ours = by_variant[1]
+    backend.row_variant = 2
+    ours = by_variant[2]
     sd = []
     for _ in range(n):
         q = torch.randn(B, H, 1, D, device="cuda", generator=gen).to(DT)
@@ -133,10 +125,11 @@ def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
     sdpa = time_ms(list(fns), reps)
     sdpa_default = time_ms([sdpa_call(q, k, v, False, flash=False)[0] for q, k, v in sd], reps)
     plans = sets[0][2]._cuda_plan.row_plans
-    plan = [v for k, v in plans.items() if k[-1] == 1][0]
+    plan = [v for k, v in plans.items() if k[-1] == 2][0]
     del sets, sd
     torch.cuda.empty_cache()
-    return {"ours_ms": ours, "ours_direct_loads_ms": by_variant[0], "sdpa_ms": sdpa, "sdpa_backend": kind[0],
+    return {"ours_ms": ours, "ours_row_kernel_ms": by_variant[1], "ours_row_kernel_GBps": kv_bytes / by_variant[1] / 1e6,
+            "ours_direct_loads_ms": by_variant[0], "sdpa_ms": sdpa, "sdpa_backend": kind[0],
             "sdpa_default_ms": sdpa_default, "sdpa_default_GBps": kv_bytes / sdpa_default / 1e6,
             "ours_GBps": kv_bytes / ours / 1e6, "ours_direct_loads_GBps": kv_bytes / by_variant[0] / 1e6,
             "sdpa_GBps": kv_bytes / sdpa / 1e6, "kv_bytes": kv_bytes, "partitions": plan[0],
@@ -212,8 +205,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prefill-variants", default="0,10",
                     help="prefill kernel variants to time (0: the default; see kernels_cuda/prefill.cuh)")
-    ap.add_argument("--only", choices=["prefill"], help="time only these rows (no JSON written)")
+    ap.add_argument("--only", choices=["prefill", "decode"],
+                    help="time only these rows (prefill: no JSON written; decode: kernels_decode_d<D>.json)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every row (default 128)")
     args = ap.parse_args()
+    global D
+    D = args.head_dim
     variants = [int(v) for v in args.prefill_variants.split(",") if v.strip()]
     from pagednb.attention.cuda_backend import CudaPagedBackend
     from pagednb.attention.jit import load_error, load_kernels
@@ -232,6 +229,16 @@ def main() -> None:
     for B, T in [(64, 4096), (256, 1024), (1, 32768)]:
         res[f"decode_B{B}_T{T}"] = r = bench_decode(backend, B, T, args.reps, gen)
         print(f"decode B={B} T={T}: {r}", flush=True)
+    if args.only == "decode":
+        rows = [[f"decode B={B} T={T}", r["ours_ms"], r["ours_GBps"], r["ours_row_kernel_GBps"],
+                 r["sdpa_GBps"], r["sdpa_default_GBps"], r["partitions"]]
+                for (B, T), r in zip([(64, 4096), (256, 1024), (1, 32768)], res.values())]
+        path = save(f"kernels_decode_d{D}", {"shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "block_size": BS,
+                                                       "dtype": "bfloat16"}, "results": res})
+        print(f"wrote {path}")
+        print_table(["row", "ours ms", "ours GB/s", "row kernel GB/s", "SDPA flash GB/s", "SDPA default GB/s",
+                     "partitions"], rows)
+        return
     res["prefill_2048_over_2048"] = r = bench_prefill(backend, lib, args.reps, gen, variants)
     print(f"prefill: {r}", flush=True)
     res["cache_write_32768"] = r = bench_write(backend, args.reps, gen)

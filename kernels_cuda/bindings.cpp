@@ -1,6 +1,6 @@
 // The one binding file: a small C ABI over the launchers, called from Python through ctypes
-// (pagednb/attention/cuda_backend.py, pagednb/model/fused_ops.py, pagednb/engine/sampling_kernel.py). It
-// includes no torch header, so it compiles in about a second; Python passes data pointers, strides and the
+// (pagednb/attention/cuda_backend.py, pagednb/model/fused_ops.py, pagednb/model/small_linear.py,
+// pagednb/engine/sampling_kernel.py). It includes no torch header, so it compiles in about a second; Python passes data pointers, strides and the
 // current CUDA stream, and this layer checks the configuration (dtype, head_dim, block size, head counts,
 // alignment) before anything is launched.
 #include <cuda_runtime.h>
@@ -43,7 +43,7 @@ int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 int occupancy(int dtype, int head_dim, int gmax, int variant) {  // cached: one query per configuration
   static std::mutex mu;
   static int cache[2][3][5][4] = {};
-  variant = variant != 0;
+  variant = variant != 0;  // 1 and 2 are the same row kernel here (2 differs only where group_mma_applies)
   const int di = head_dim == 16 ? 0 : head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : 4;
   const int gi = gmax == 1 ? 0 : gmax == 2 ? 1 : gmax == 4 ? 2 : 3;
   std::lock_guard<std::mutex> lock(mu);
@@ -57,21 +57,37 @@ int occupancy(int dtype, int head_dim, int gmax, int variant) {  // cached: one 
   return n;
 }
 
+int group_mma_occupancy(int dtype, int head_dim) {  // cached like occupancy()
+  static std::mutex mu;
+  static int cache[2] = {};  // by dtype; head_dim is 64 (group_mma_applies)
+  std::lock_guard<std::mutex> lock(mu);
+  int& n = cache[dtype == pagednb::kBFloat16];
+  if (n == 0) {
+    n = dtype == pagednb::kBFloat16 ? pagednb::occupancy_group_mma_bf16(head_dim)
+                                    : pagednb::occupancy_group_mma_f16(head_dim);
+    if (n <= 0) n = 1;
+  }
+  return n;
+}
+
 }  // namespace
 
 extern "C" {
 
-// Split-K plan for the row kernel: rows = query rows it serves, range_max = the most tokens a row
+// Split-K plan for the row kernel (or the tensor-core decode kernel where group_mma_applies: one CTA per
+// kv head then): rows = query rows it serves, range_max = the most tokens a row
 // attends to. No split when the (row, kv head) CTAs already fill 3/4 of one wave of resident CTAs;
 // otherwise enough partitions (of >= 256 tokens) for about one full wave.
 int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int range_max, int num_sms,
                      int variant, int* P, int* part_size, int* head_groups) {
   if (dtype < 0 || dtype > 2 || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;
-  const int gmax = gmax_for(G);
+  const bool mma = pagednb::group_mma_applies(dtype, head_dim, G, variant);
+  const int gmax = mma ? G : gmax_for(G);
   *head_groups = (G + gmax - 1) / gmax;
   range_max = range_max < 1 ? 1 : range_max;
   const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * Hkv * *head_groups;
-  const int64_t wave = (int64_t)occupancy(dtype, head_dim, gmax, variant) * (num_sms < 1 ? 1 : num_sms);
+  const int resident = mma ? group_mma_occupancy(dtype, head_dim) : occupancy(dtype, head_dim, gmax, variant);
+  const int64_t wave = (int64_t)resident * (num_sms < 1 ? 1 : num_sms);
   int64_t parts = 4 * base >= 3 * wave ? 1 : (wave + base - 1) / base;
   const int64_t max_parts = (range_max + 255) / 256;
   if (parts > max_parts) parts = max_parts;
@@ -130,19 +146,26 @@ int pagednb_rms_norm(int dtype, void* out, void* residual_out, const void* x, in
   return pagednb::launch_rms_norm(dtype, a, stream);
 }
 
+// v == nullptr: q and k only; otherwise k (after the rotary embedding) and v are also written into the paged
+// cache at slots (see QkRopeArgs).
 int pagednb_qk_norm_rope(int dtype, void* q, int64_t q_stride_tok, int64_t q_stride_head, void* k,
                          int64_t k_stride_tok, int64_t k_stride_head, const void* cos, const void* sin,
                          int64_t cos_sin_stride, const void* q_weight, const void* k_weight, int num_tokens,
-                         int num_heads, int num_kv_heads, int head_dim, float eps, void* stream) {
+                         int num_heads, int num_kv_heads, int head_dim, float eps, const void* v, int64_t v_stride_tok,
+                         int64_t v_stride_head, void* cache, int64_t cache_v_offset, const int64_t* slots,
+                         void* stream) {
   if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || num_tokens < 0 || num_heads <= 0 ||
       num_kv_heads <= 0 || (q_weight == nullptr) != (k_weight == nullptr))
     return -1;
+  if (v != nullptr && (cache == nullptr || slots == nullptr || cache_v_offset <= 0)) return -1;
   const int64_t es = elem_size(dtype);
-  if (!aligned16({q, k, cos, sin, q_weight, k_weight},
-                 {q_stride_tok * es, q_stride_head * es, k_stride_tok * es, k_stride_head * es, cos_sin_stride * es}))
+  if (!aligned16({q, k, cos, sin, q_weight, k_weight, v, cache},
+                 {q_stride_tok * es, q_stride_head * es, k_stride_tok * es, k_stride_head * es, cos_sin_stride * es,
+                  v_stride_tok * es, v_stride_head * es, cache_v_offset * es}))
     return -1;
   pagednb::QkRopeArgs a{q, k, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head, cos, sin, cos_sin_stride,
-                        q_weight, k_weight, num_tokens, num_heads, num_kv_heads, head_dim, eps};
+                        q_weight, k_weight, num_tokens, num_heads, num_kv_heads, head_dim, eps,
+                        v, v_stride_tok, v_stride_head, cache, cache_v_offset, slots};
   return pagednb::launch_qk_norm_rope(dtype, a, stream);
 }
 
@@ -154,15 +177,27 @@ int pagednb_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stri
   return pagednb::launch_silu_and_mul(dtype, out, gate_up, stride, rows, inter, stream);
 }
 
-// ---- temperature sampling (sampling.cu): float32 logits, element strides -----------------------------------
-int pagednb_sample_temperature(const float* logits, int64_t row_stride, const float* temperature, int64_t t_stride,
-                               const float* uniforms, int64_t u_stride, int64_t* out, int rows, int vocab,
-                               void* stream) {
-  if (rows < 0 || vocab <= 0 || vocab > pagednb::kMaxSampleVocab || row_stride < 0 || t_stride < 0 || u_stride < 0)
+// ---- temperature sampling (sampling.cu): logits float32/fp16/bf16, the rest float32, element strides ----------
+int pagednb_sample_temperature(int logits_dtype, const void* logits, int64_t row_stride, const float* temperature,
+                               int64_t t_stride, const float* uniforms, int64_t u_stride, int64_t* out, int rows,
+                               int vocab, void* stream) {
+  if (!supported_dtype(logits_dtype) || rows < 0 || vocab <= 0 || vocab > pagednb::kMaxSampleVocab ||
+      row_stride < 0 || t_stride < 0 || u_stride < 0)
     return -1;
   if (rows > 0 && (logits == nullptr || temperature == nullptr || uniforms == nullptr || out == nullptr)) return -1;
-  pagednb::SampleArgs a{logits, row_stride, temperature, t_stride, uniforms, u_stride, out, rows, vocab};
+  pagednb::SampleArgs a{logits, logits_dtype, row_stride, temperature, t_stride, uniforms, u_stride, out, rows, vocab};
   return pagednb::launch_sample_temperature(a, stream);
+}
+
+// ---- small-batch linear (gemv.cu): bf16 / fp16, element strides ------------------------------------------------
+int pagednb_gemv(int dtype, void* out, int64_t out_stride, const void* x, int64_t x_stride, const void* weight,
+                 const void* bias, int M, int N, int K, void* stream) {
+  if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
+  if (M < 0 || M > pagednb::kGemvMaxRows || N < 0 || K <= 0 || K % 8 != 0 || out_stride < N || x_stride < K)
+    return -1;
+  if (!aligned16({x, weight}, {x_stride * 2})) return -1;
+  pagednb::GemvArgs a{out, x, weight, bias, x_stride, out_stride, M, N, K};
+  return pagednb::launch_gemv(dtype, a, stream);
 }
 
 int pagednb_params_size() { return (int)sizeof(AttnParams); }

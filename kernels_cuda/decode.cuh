@@ -16,6 +16,8 @@
 // PIPE (float32, and variant 0) the loads of a step go straight to registers.
 #pragma once
 
+#include <type_traits>
+
 #include "common.cuh"
 #include "launchers.h"
 
@@ -346,6 +348,12 @@ int occupancy_t(int variant) {
   return e == cudaSuccess && n > 0 ? n : 1;
 }
 
+}  // namespace pagednb
+
+#include "decode_group_mma.cuh"  // the tensor-core kernel for large groups (uses kNegBig, row_reduce_kernel)
+
+namespace pagednb {
+
 inline int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
 // One dtype's dispatch over head_dim and GMAX (instantiated once per dtype file).
@@ -366,6 +374,10 @@ inline int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
 template <typename T>
 int launch_row_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
+  if constexpr (sizeof(T) == 2) {
+    const int code = std::is_same<T, __half>::value ? kFloat16 : kBFloat16;
+    if (group_mma_applies(code, head_dim, p.G, p.row_variant)) return launch_group_mma_dtype<T>(head_dim, p, st);
+  }
   switch (head_dim) {
     case 16: PAGEDNB_ROW_DISPATCH_D(T, 16)
     case 32: PAGEDNB_ROW_DISPATCH_D(T, 32)

@@ -10,5 +10,6 @@ int launch_row_bf16(int head_dim, const AttnParams& p, void* stream) {
 int occupancy_row_bf16(int head_dim, int gmax, int variant) {
   return occupancy_dtype<__nv_bfloat16>(head_dim, gmax, variant);
 }
+int occupancy_group_mma_bf16(int head_dim) { return occupancy_group_mma_dtype<__nv_bfloat16>(head_dim); }
 
 }  // namespace pagednb

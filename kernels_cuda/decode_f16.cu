@@ -10,5 +10,6 @@ int launch_row_f16(int head_dim, const AttnParams& p, void* stream) {
 int occupancy_row_f16(int head_dim, int gmax, int variant) {
   return occupancy_dtype<__half>(head_dim, gmax, variant);
 }
+int occupancy_group_mma_f16(int head_dim) { return occupancy_group_mma_dtype<__half>(head_dim); }
 
 }  // namespace pagednb

@@ -145,7 +145,10 @@ int launch_rms_norm_dtype(const RmsNormArgs& a, cudaStream_t st) {
                                : launch_rms_norm_residual<T, false>(a, st);
 }
 
-// ---- q/k RMSNorm + rotary embedding, in place ---------------------------------------------------------
+// ---- q/k RMSNorm + rotary embedding, in place (and the step's K/V into the paged cache) ----------------
+// With a cache to write (a.v != nullptr), the items are the heads of q, k and v: k rows go to their slot
+// of the cache's K half after the rotary embedding, v rows to the V half as they are (slot -1: not
+// written), which saves the separate cache-write launch of every layer.
 // One group of LANES lanes per (token, head) of q and k; lane l holds the head's elements
 // [l * E, (l + 1) * E). The rotate-half partner of element j (j -/+ D/2) sits in lane l ^ (LANES/2)
 // at the same offset, one shuffle away. Per element, as torch computes it:
@@ -166,7 +169,8 @@ template <typename T, int D, bool NORM>
 __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
   using C = QkCfg<T, D>;
   constexpr int VEC = C::VEC, LANES = C::LANES, E = C::E, NV = C::NV;
-  const int heads = a.num_heads + a.num_kv_heads;
+  const bool write_cache = a.v != nullptr;
+  const int heads = a.num_heads + a.num_kv_heads * (write_cache ? 2 : 1);
   const int64_t item = (int64_t)blockIdx.x * C::ITEMS + threadIdx.x / LANES;
   const int lane = threadIdx.x % LANES;
   // no early exit: every lane of the warp takes part in the shuffles
@@ -174,8 +178,11 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
   const int64_t tok = valid ? item / heads : 0;
   const int head = valid ? (int)(item % heads) : 0;
   const bool is_q = head < a.num_heads;
-  T* p = is_q ? static_cast<T*>(a.q) + tok * a.q_stride_tok + (int64_t)head * a.q_stride_head
-              : static_cast<T*>(a.k) + tok * a.k_stride_tok + (int64_t)(head - a.num_heads) * a.k_stride_head;
+  const bool is_v = head >= a.num_heads + a.num_kv_heads;
+  const int kvh = is_q ? 0 : head - a.num_heads - (is_v ? a.num_kv_heads : 0);
+  T* p = is_q   ? static_cast<T*>(a.q) + tok * a.q_stride_tok + (int64_t)head * a.q_stride_head
+         : is_v ? const_cast<T*>(static_cast<const T*>(a.v)) + tok * a.v_stride_tok + (int64_t)kvh * a.v_stride_head
+                : static_cast<T*>(a.k) + tok * a.k_stride_tok + (int64_t)kvh * a.k_stride_head;
   p += lane * E;
 
   float v[E];
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
 #pragma unroll
     for (int o = LANES / 2; o > 0; o >>= 1) ss = add(ss, __shfl_xor_sync(0xffffffffu, ss, o));
     const float scale = rsqrtf(add(mul(ss, 1.0f / D), a.eps));  // D: a power of two, 1/D exact
-    if (valid) {
+    if (valid && !is_v) {
       const T* w = static_cast<const T*>(is_q ? a.q_weight : a.k_weight) + lane * E;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
@@ -217,6 +224,17 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
     rot[e] = low_half ? -other : other;
   }
   if (!valid) return;
+  const int64_t slot = write_cache && !is_q ? __ldg(a.slots + tok) : -1;
+  T* cached = slot < 0 ? nullptr
+                       : static_cast<T*>(a.cache) + (is_v ? a.cache_v_offset : 0) +
+                             (slot * a.num_kv_heads + kvh) * D + lane * E;
+  if (is_v) {  // values go to the cache as they are
+    if (cached != nullptr) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) store_vec(cached + j * VEC, v + j * VEC);
+    }
+    return;
+  }
   const T* cos_row = static_cast<const T*>(a.cos) + tok * a.cos_sin_stride + lane * E;
   const T* sin_row = static_cast<const T*>(a.sin) + tok * a.cos_sin_stride + lane * E;
 #pragma unroll
@@ -228,13 +246,14 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
     for (int e = 0; e < VEC; ++e)
       o[e] = add(round_to<T>(mul(v[j * VEC + e], c[e])), round_to<T>(mul(rot[j * VEC + e], s[e])));
     store_vec(p + j * VEC, o);
+    if (cached != nullptr) store_vec(cached + j * VEC, o);
   }
 }
 
 template <typename T, int D>
 int launch_qk_norm_rope_d(const QkRopeArgs& a, cudaStream_t st) {
   using C = QkCfg<T, D>;
-  const int64_t items = (int64_t)a.num_tokens * (a.num_heads + a.num_kv_heads);
+  const int64_t items = (int64_t)a.num_tokens * (a.num_heads + a.num_kv_heads * (a.v != nullptr ? 2 : 1));
   const int64_t blocks = (items + C::ITEMS - 1) / C::ITEMS;
   if (blocks > 0x7fffffff) return -1;
   if (a.q_weight != nullptr)

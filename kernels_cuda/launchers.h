@@ -33,8 +33,17 @@ struct AttnParams {
   int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
   float scale_log2;          // softmax scale * log2(e)
   int variant;               // prefill kernel variant (0: default; benchmarks only, see prefill.cuh)
-  int row_variant;           // row kernel: 1 = cp.async ring (default for 16-bit types), 0 = direct loads
+  int row_variant;           // row kernel: 2 = tensor cores for large GQA groups where group_mma_applies, else
+                             // as 1 (the default); 1 = cp.async ring (16-bit types); 0 = direct loads
 };
+
+// The tensor-core decode kernel (decode_group_mma.cuh) serves the rows of 16-bit models with 4 to 16 query
+// heads per kv head at head_dim 64 (Llama 3.2 1B/3B), under row_variant 2: there the row kernel is
+// instruction-bound (benchmarks/NOTES.md). At head_dim 128 the row kernel already reads K/V at ~4 TB/s and
+// keeps them. Bindings (split plan) and launchers (dispatch) both ask this one function.
+inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant) {
+  return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= 4 && G <= 16 && head_dim == 64;
+}
 
 // Each launcher returns 0 or a CUDA error code (cudaError_t as int); -1: unsupported configuration.
 // Row (decode / float32) kernel, one definition per dtype file (decode_<dtype>.cu):
@@ -44,6 +53,8 @@ int launch_row_bf16(int head_dim, const AttnParams& p, void* stream);
 int occupancy_row_f32(int head_dim, int gmax, int variant);  // resident CTAs per SM
 int occupancy_row_f16(int head_dim, int gmax, int variant);
 int occupancy_row_bf16(int head_dim, int gmax, int variant);
+int occupancy_group_mma_f16(int head_dim);  // resident CTAs per SM of the tensor-core decode kernel
+int occupancy_group_mma_bf16(int head_dim);
 // Tensor-core prefill kernel (prefill_<dtype>.cu):
 int launch_prefill_f16(int head_dim, const AttnParams& p, void* stream);
 int launch_prefill_bf16(int head_dim, const AttnParams& p, void* stream);
@@ -78,6 +89,13 @@ struct QkRopeArgs {          // in place on q [N, H, D] and k [N, Hkv, D] (last 
   const void* k_weight;
   int num_tokens, num_heads, num_kv_heads, head_dim;
   float eps;
+  // the paged cache write (v == nullptr: none): k after the rotary embedding and v as it is, into
+  // cache [2, num_blocks, block_size, num_kv_heads, head_dim] (dense) at slots[token]; -1 is skipped
+  const void* v;             // [N, Hkv, D], last dim dense
+  int64_t v_stride_tok, v_stride_head;
+  void* cache;
+  int64_t cache_v_offset;    // elements from the K half to the V half
+  const int64_t* slots;
 };
 
 int launch_rms_norm(int dtype, const RmsNormArgs& a, void* stream);
@@ -88,8 +106,9 @@ int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t strid
 // ---- temperature sampling (sampling.cu) -------------------------------------------------------------------
 constexpr int kMaxSampleVocab = 1 << 20;
 
-struct SampleArgs {          // float32 throughout; element strides
-  const float* logits;       // [rows, vocab], row stride row_stride (0 allowed), last dim dense
+struct SampleArgs {          // element strides
+  const void* logits;        // [rows, vocab] of logits_dtype, row stride row_stride (0 allowed), last dim dense
+  int logits_dtype;          // kFloat32, kFloat16 or kBFloat16
   int64_t row_stride;
   const float* temperature;  // [rows] at stride t_stride, > 0
   int64_t t_stride;
@@ -100,5 +119,19 @@ struct SampleArgs {          // float32 throughout; element strides
 };
 
 int launch_sample_temperature(const SampleArgs& a, void* stream);
+
+// ---- small-batch linear (gemv.cu) -----------------------------------------------------------------------
+constexpr int kGemvMaxRows = 2;
+
+struct GemvArgs {            // out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N]); element strides
+  void* out;                 // row stride out_stride, last dim dense
+  const void* x;             // row stride x_stride, last dim dense
+  const void* weight;        // [N, K], dense
+  const void* bias;          // nullptr: none
+  int64_t x_stride, out_stride;
+  int M, N, K;               // M <= kGemvMaxRows; K a multiple of 8; x, weight 16-byte aligned
+};
+
+int launch_gemv(int dtype, const GemvArgs& a, void* stream);
 
 }  // namespace pagednb

@@ -1,4 +1,4 @@
-// Temperature sampling in one launch: for each row of float32 logits, the inverse-CDF draw that
+// Temperature sampling in one launch: for each row of logits (float32, or the model's bf16/fp16), the inverse-CDF draw that
 // pagednb/engine/sampler.py makes with torch (divide by T, max, exp, cumsum, searchsorted: about eight
 // passes over [n, V]), here in one read of the row plus one chunk of it, with no row written back.
 //
@@ -24,13 +24,15 @@
 // the target at its end, i.e. the row's last token of nonzero weight. Rows with NaN or +inf logits, or
 // all -inf, get an in-range token (that guard, or the first token at the row's max): no hang, no error.
 //
-// Cost per row: one coalesced read of the row (float4 loads when the row start, stride and length are
-// multiples of 16 bytes, else 4-byte loads), one more read of one chunk (4 KiB), 8 bytes of shared
+// Cost per row: one coalesced read of the row (four logits per load when the row start, stride and length
+// allow it, else one), one more read of one chunk (4 KiB), 8 bytes of shared
 // memory per chunk, one barrier. 16 warps per CTA, two CTAs per SM (<= 64 registers), so a batch of
 // 256 rows runs in one wave on an H100/H200. The CTA's size depends on V only and every sum has a fixed
 // order, so the draw is a deterministic function of the row, T and u, whatever the batch; it differs
 // from torch's only when the target lies within float32 rounding (about 1e-6 of the total) of a CDF
 // boundary.
+#include <type_traits>
+
 #include "common.cuh"
 #include "launchers.h"
 
@@ -76,26 +78,37 @@ template <typename T> __device__ __forceinline__ T warp_inclusive_scan(T v, int 
 }
 
 // y[e] = l * scale for the VEC tokens from j (j a multiple of VEC); -inf past the row. __fmul_rn: y rounds
-// the same way wherever it is recomputed (never contracted into a later FMA).
-template <int VEC>
-__device__ __forceinline__ void load_vec(const float* __restrict__ row, int vocab, int j, float scale, float (&y)[VEC]) {
+// the same way wherever it is recomputed (never contracted into a later FMA). Logits of type L: float32,
+// or the model's bf16/fp16 read as they are (their conversion to float32 is exact, so the draw is the
+// one the float32 copy of the row would give, without that copy's pass over memory).
+template <typename L, int VEC>
+__device__ __forceinline__ void load_vec(const L* __restrict__ row, int vocab, int j, float scale, float (&y)[VEC]) {
   float l[VEC];
-  if constexpr (VEC == 4) {
-    const float4 v = j < vocab ? __ldg(reinterpret_cast<const float4*>(row + j)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
+  if constexpr (std::is_same<L, float>::value) {
+    if constexpr (VEC == 4) {
+      const float4 v = j < vocab ? __ldg(reinterpret_cast<const float4*>(row + j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
+    } else {
+      l[0] = j < vocab ? __ldg(row + j) : 0.f;
+    }
+  } else if constexpr (VEC == 4) {  // 8 bytes: four 16-bit logits
+    const uint2 v = j < vocab ? __ldg(reinterpret_cast<const uint2*>(row + j)) : make_uint2(0u, 0u);
+    const L* h = reinterpret_cast<const L*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) l[e] = Elem<L>::to_float(h[e]);
   } else {
-    l[0] = j < vocab ? __ldg(row + j) : 0.f;
+    l[0] = j < vocab ? Elem<L>::to_float(row[j]) : 0.f;
   }
 #pragma unroll
   for (int e = 0; e < VEC; ++e) y[e] = j < vocab ? __fmul_rn(l[e], scale) : -INFINITY;
 }
 
 // y[k] for tokens (k * 32 + lane) * VEC + e of the chunk at `start`: each load a coalesced 32 * VEC floats.
-template <int VEC>
-__device__ __forceinline__ void load_chunk(const float* __restrict__ row, int vocab, int start, float scale,
+template <typename L, int VEC>
+__device__ __forceinline__ void load_chunk(const L* __restrict__ row, int vocab, int start, float scale,
                                            int lane, float (&y)[kUnroll][VEC]) {
 #pragma unroll
-  for (int k = 0; k < kUnroll; ++k) load_vec<VEC>(row, vocab, start + (k * 32 + lane) * VEC, scale, y[k]);
+  for (int k = 0; k < kUnroll; ++k) load_vec<L, VEC>(row, vocab, start + (k * 32 + lane) * VEC, scale, y[k]);
 }
 
 // A token's weight relative to its chunk's max, in units of 2^-40 (NaN -> 0).
@@ -114,11 +127,11 @@ __device__ __forceinline__ float chunk_weight(float2 stats, float m) {
 // reaches frac of the chunk's weight. Integer weights: the prefix is exact and monotone, so the token
 // found has a weight of at least one unit. Lane order inside a slice k is token order, and slices follow
 // each other, so a scan per slice plus a carry gives every token's prefix.
-template <int VEC>
-__device__ __forceinline__ int pick_in_chunk(const float* __restrict__ row, int vocab, int start, float scale,
+template <typename L, int VEC>
+__device__ __forceinline__ int pick_in_chunk(const L* __restrict__ row, int vocab, int start, float scale,
                                              float mc, double frac, int lane) {
   float y[kUnroll][VEC];
-  load_chunk<VEC>(row, vocab, start, scale, lane, y);
+  load_chunk<L, VEC>(row, vocab, start, scale, lane, y);
   uint64_t part[kUnroll];  // this lane's weight in slice k (tokens (k * 32 + lane) * VEC + e)
   uint64_t mine = 0;
   int first_max = 0x7fffffff;  // this lane's first token at the chunk's max
@@ -158,7 +171,7 @@ __device__ __forceinline__ int pick_in_chunk(const float* __restrict__ row, int 
   if (lane == src) {  // below < t <= below + part: one of this lane's VEC tokens reaches t
     const int j = start + (slice * 32 + lane) * VEC;
     float v[VEC];
-    load_vec<VEC>(row, vocab, j, scale, v);
+    load_vec<L, VEC>(row, vocab, j, scale, v);
     int pick = VEC - 1;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
@@ -170,15 +183,15 @@ __device__ __forceinline__ int pick_in_chunk(const float* __restrict__ row, int 
   return __shfl_sync(0xffffffffu, token, src);
 }
 
-template <int VEC>
+template <typename L, int VEC>
 __global__ void __launch_bounds__(kSampleWarps * 32, 2)
-    sample_temperature_kernel(const float* __restrict__ logits, int64_t row_stride, const float* __restrict__ temperature,
+    sample_temperature_kernel(const L* __restrict__ logits, int64_t row_stride, const float* __restrict__ temperature,
                               int64_t t_stride, const float* __restrict__ uniforms, int64_t u_stride,
                               int64_t* __restrict__ out, int vocab) {
   constexpr int CH = ChunkCfg<VEC>::kSize;
   extern __shared__ float2 stats[];  // [nchunks] (m_c, s_c)
   const int64_t r = blockIdx.x;
-  const float* row = logits + r * row_stride;
+  const L* row = logits + r * row_stride;
   const float scale = __fdiv_rn(kLog2e, temperature[r * t_stride]);
   const int nchunks = (vocab + CH - 1) / CH;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -186,7 +199,7 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
   // ---- 1. per-chunk max and sum of 2^(y - m_c) --------------------------------------------------------
   for (int c = warp; c < nchunks; c += nwarps) {
     float y[kUnroll][VEC];
-    load_chunk<VEC>(row, vocab, c * CH, scale, lane, y);
+    load_chunk<L, VEC>(row, vocab, c * CH, scale, lane, y);
     float mc = -INFINITY;  // fmaxf skips NaN
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k)
@@ -260,18 +273,27 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
   }
 
   // ---- 3. the token inside the chunk ------------------------------------------------------------------------
-  const int token = pick_in_chunk<VEC>(row, vocab, chunk * CH, scale, stats[chunk].x, frac, lane);
+  const int token = pick_in_chunk<L, VEC>(row, vocab, chunk * CH, scale, stats[chunk].x, frac, lane);
   if (lane == 0) out[r] = token;
 }
 
-template <int VEC>
+template <typename L, int VEC>
 int launch_sample_vec(const SampleArgs& a, cudaStream_t st) {
   const int nchunks = (a.vocab + ChunkCfg<VEC>::kSize - 1) / ChunkCfg<VEC>::kSize;
   if (nchunks > kMaxSampleChunks) return -1;
   const int warps = nchunks < kSampleWarps ? nchunks : kSampleWarps;
-  sample_temperature_kernel<VEC><<<a.rows, warps * 32, nchunks * sizeof(float2), st>>>(
-      a.logits, a.row_stride, a.temperature, a.t_stride, a.uniforms, a.u_stride, a.out, a.vocab);
+  sample_temperature_kernel<L, VEC><<<a.rows, warps * 32, nchunks * sizeof(float2), st>>>(
+      static_cast<const L*>(a.logits), a.row_stride, a.temperature, a.t_stride, a.uniforms, a.u_stride, a.out,
+      a.vocab);
   return (int)cudaGetLastError();
+}
+
+template <typename L>
+int launch_sample_dtype(const SampleArgs& a, cudaStream_t st) {
+  // four logits per load (16 bytes of float32, 8 of a 16-bit type) when rows allow it
+  const bool vec4 = reinterpret_cast<uintptr_t>(a.logits) % (4 * sizeof(L)) == 0 && a.row_stride % 4 == 0 &&
+                    a.vocab % 4 == 0;
+  return vec4 ? launch_sample_vec<L, 4>(a, st) : launch_sample_vec<L, 1>(a, st);
 }
 
 }  // namespace
@@ -279,8 +301,12 @@ int launch_sample_vec(const SampleArgs& a, cudaStream_t st) {
 int launch_sample_temperature(const SampleArgs& a, void* stream) {
   if (a.rows <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool vec4 = reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && a.row_stride % 4 == 0 && a.vocab % 4 == 0;
-  return vec4 ? launch_sample_vec<4>(a, st) : launch_sample_vec<1>(a, st);
+  switch (a.logits_dtype) {
+    case kFloat32: return launch_sample_dtype<float>(a, st);
+    case kFloat16: return launch_sample_dtype<__half>(a, st);
+    case kBFloat16: return launch_sample_dtype<__nv_bfloat16>(a, st);
+    default: return -1;
+  }
 }
 
 }  // namespace pagednb

@@ -32,9 +32,10 @@ def test_cpu_selection_is_the_reference_and_forcing_cuda_on_cpu_raises():
 
 
 # ---- GPU cases ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[1, 0], ids=["rows-pipelined", "rows-direct"])
+@pytest.fixture(scope="module", params=[2, 1, 0], ids=["rows-tensor-core", "rows-pipelined", "rows-direct"])
 def backend(request):
-    """The backend with each row-kernel variant (1: cp.async ring, the default; 0: direct loads)."""
+    """The backend with each row-kernel variant (2, the default: tensor cores for 16-bit rows with 4-16
+    query heads per kv head at head_dim 64, else as 1; 1: cp.async ring; 0: direct loads)."""
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
     from pagednb.attention.jit import load_error, load_kernels
@@ -168,6 +169,9 @@ DECODE = [
     (12, 700, 4, 2, 16, 16, torch.bfloat16, None),
     (12, 700, 8, 4, 32, 16, torch.float32, 24),
     (7, 300, 6, 2, 32, 32, torch.float16, None),
+    (256, 1100, 32, 8, 64, 16, torch.bfloat16, None),  # the Llama-3.2-1B shape
+    (6, 900, 24, 4, 64, 32, torch.float16, 200),       # 6 heads per kv head, sliding window
+    (2, 4000, 16, 1, 128, 16, torch.bfloat16, None),   # 16 heads per kv head, split-K
 ]
 
 
@@ -287,11 +291,13 @@ def test_engine_greedy_matches_hf_with_cuda_backend(tiny_model_dir, arch, overri
 
 
 @gpu
-def test_engine_bf16_cuda_backend_agrees_with_reference_backend(tiny_model_dir):
-    """bf16 through the tensor-core prefill path: the first greedy tokens agree with the reference backend."""
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["2-heads-per-kv-head", "4-heads-per-kv-head"])
+def test_engine_bf16_cuda_backend_agrees_with_reference_backend(tiny_model_dir, kv_heads):
+    """bf16 through the tensor-core prefill path (and, with 4 query heads per kv head at head_dim 64, the
+    tensor-core decode path): the first greedy tokens agree with the reference backend."""
     from pagednb import LLM, SamplingParams
 
-    path = tiny_model_dir("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = tiny_model_dir("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=kv_heads)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     results = {}
     for name in ("cuda", "torch_ref"):

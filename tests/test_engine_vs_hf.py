@@ -19,6 +19,7 @@ PROMPTS = [
     "x",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+ORACLE_DTYPE = "float32"  # the oracle's (tiny.hf_greedy); "auto" would be bf16 on a GPU
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -29,7 +30,7 @@ def arch_case(request, tiny_model_dir):
 
 
 def generate_all(path, **engine_args):
-    with LLM(str(path), **engine_args) as llm:
+    with LLM(str(path), dtype=ORACLE_DTYPE, **engine_args) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.stats()
         llm.engine.check_integrity()
@@ -51,7 +52,7 @@ def test_tiny_token_budget_forces_chunked_prefill_and_still_matches(arch_case):
 
 def test_prefix_cache_hits_do_not_change_outputs(arch_case):
     arch, path, refs = arch_case
-    with LLM(str(path), num_kv_blocks=64) as llm:
+    with LLM(str(path), dtype=ORACLE_DTYPE, num_kv_blocks=64) as llm:
         first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # served from cached blocks
         stats = llm.stats()
@@ -75,7 +76,7 @@ def test_mistral_prompts_longer_than_the_window_match_hf(tiny_model_dir):
     path = tiny_model_dir("mistral", sliding_window=8)
     prompt = SHARED * 2
     (ref,) = hf_greedy(path, [prompt], MAX_NEW)
-    with LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=5) as llm:
+    with LLM(str(path), dtype=ORACLE_DTYPE, num_kv_blocks=64, max_num_batched_tokens=5) as llm:
         assert llm.engine.spec.sliding_window == 8
         out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     assert len(out.prompt_token_ids) > 8 * 3
@@ -96,7 +97,7 @@ def test_requests_admitted_in_the_same_step_share_a_prefix_computed_in_that_step
     """A step writes every new K/V of a layer before any query attends, so a request admitted after
     another in the same step can use the blocks the other is computing (vLLM caches at allocation)."""
     arch, path, refs = arch_case
-    with LLM(str(path), num_kv_blocks=64) as llm:  # fresh: nothing cached before this step
+    with LLM(str(path), dtype=ORACLE_DTYPE, num_kv_blocks=64) as llm:  # fresh: nothing cached before this step
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         steps = llm.stats()["steps"]
     assert [o.outputs[0].token_ids for o in outs] == refs

@@ -329,6 +329,33 @@ def test_qk_norm_rope_on_random_inputs(kernels, dtype, d):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm+rope"])
+def test_the_cache_write_in_the_same_launch_equals_the_backends_cache_write(kernels, dtype, d, qk_norm):
+    """qk_norm_rope_write_kv: the q and k of qk_norm_rope and the cache of the backend's write_kv, bit for bit;
+    slot -1 rows (graph padding) and every other slot left as they were."""
+    from pagednb.attention.torch_ref import TorchReferenceBackend
+
+    heads, kv_heads, n, block_size, blocks = 16, 4, 37, 16, 12
+    qkv, cos, sin, weights = _qk_case(n, heads, kv_heads, d, dtype, qk_norm, exact=False, seed=d + 99)
+    gen = torch.Generator().manual_seed(d)
+    cache = torch.randn(2, blocks, block_size, kv_heads, d, generator=gen).to("cuda", dtype)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:n].to("cuda")
+    slots[[3, 17, 36]] = -1
+    want_cache = cache.clone()
+    q_ref, k_ref = fused_ops.qk_norm_rope(*fused_qkv(n, heads, kv_heads, d, qkv.clone()), cos, sin, *weights, EPS)
+    v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+    TorchReferenceBackend().write_kv(k_ref, v, want_cache, slots)
+
+    q, k = fused_qkv(n, heads, kv_heads, d, qkv)
+    got = fused_ops.qk_norm_rope_write_kv(q, k, v, cos, sin, *weights, EPS, cache, slots)
+    assert got is not None, "the kernel declined these inputs"
+    assert torch.equal(got[0], q_ref) and torch.equal(got[1], k_ref)
+    assert torch.equal(cache, want_cache)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("inter", [64, 1024, 3072, 8960])
 def test_silu_and_mul_is_bit_exact(kernels, dtype, inter):
     gen = torch.Generator().manual_seed(inter)

@@ -102,6 +102,40 @@ def test_the_sampler_hands_plain_temperature_rows_to_the_kernel_with_its_uniform
         assert len(calls) == 1, f"{filtered} went to the kernel"
 
 
+def test_16_bit_logits_reach_the_kernel_as_they_are_and_everything_else_as_float32(monkeypatch):
+    seen = []
+
+    def fake_kernel(logits, temperature, uniforms):
+        seen.append(logits.dtype)
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    monkeypatch.setattr(sampler_module, "sample_with_temperature", fake_kernel)
+    logits = (torch.randn(4, 37, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()
+    Sampler()(logits, metadata([SamplingParams(temperature=0.7)] * 4, torch.Generator().manual_seed(1)))
+    assert seen == [torch.bfloat16]  # no float32 copy of the logits for plain temperature rows
+    Sampler()(logits, metadata([SamplingParams(temperature=0.7, logprobs=2)] * 4, torch.Generator().manual_seed(1)))
+    penalised = SamplingMetadata.build([SamplingParams(temperature=0.7, repetition_penalty=1.2)] * 4, [None] * 4,
+                                       [[1, 2, 3]] * 4, [[4]] * 4, 37, torch.device("cpu"),
+                                       generator=torch.Generator().manual_seed(1))
+    assert penalised.penalties is not None
+    Sampler()(logits, penalised)
+    assert seen[1:] == [torch.float32, torch.float32]
+
+
+def test_the_sampler_draws_the_same_from_16_bit_logits_as_from_their_float32_copy():
+    gen = torch.Generator().manual_seed(6)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
+              SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.1, top_p=0.8),
+              SamplingParams(temperature=0.6, min_p=0.05), SamplingParams(temperature=0.9)]
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(6, 37, generator=gen) * 3).to(dtype)
+        for step in range(10):
+            def md():
+                return metadata(params, torch.Generator().manual_seed(step),
+                                [None, torch.Generator().manual_seed(step), None, None, None, None])
+            assert torch.equal(Sampler()(logits, md()).token_ids, Sampler()(logits.float(), md()).token_ids)
+
+
 def test_when_the_kernel_declines_the_torch_path_uses_the_same_uniforms(monkeypatch):
     monkeypatch.setattr(sampler_module, "sample_with_temperature", lambda *args: None)
     logits = torch.randn(4, 37, generator=torch.Generator().manual_seed(3)) * 2
@@ -127,13 +161,13 @@ class _FakeLib:
         self.pagednb_sample_temperature = self._Fn()
 
 
-@pytest.mark.parametrize("case", ["bf16", "3d", "last_dim_strided", "too_wide", "temperature_f64",
+@pytest.mark.parametrize("case", ["f64", "3d", "last_dim_strided", "too_wide", "temperature_f64",
                                   "temperature_len", "uniforms_as_a_row", "empty_vocab"])
 def test_layouts_the_kernel_does_not_take(case):
     kernel = SamplingKernel(_FakeLib())
     logits, t, u = torch.randn(3, 40), torch.ones(3), torch.rand(3, 1)
-    if case == "bf16":
-        logits = logits.bfloat16()
+    if case == "f64":
+        logits = logits.double()
     elif case == "3d":
         logits = logits.view(3, 4, 10)
     elif case == "last_dim_strided":
@@ -199,6 +233,31 @@ def test_kernel_picks_the_references_token_away_from_boundaries(kernel, vocab, l
     assert torch.equal(_draw(kernel, logits_d, t_d, u_d), tokens_d)
     # [n, 1] temperature and uniforms, as the sampler passes them
     assert torch.equal(_draw(kernel, logits_d, t_d.unsqueeze(1), u_d.unsqueeze(1)), tokens_d)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("vocab", [37, 1000, 151936])
+@pytest.mark.parametrize("layout", ["dense", "aligned", "odd"])
+def test_16_bit_logits_draw_what_their_float32_copy_draws(kernel, dtype, vocab, layout):
+    """Read as they are, bf16/fp16 logits give the draw of their exact float32 copy in the same layout, for
+    any u (the layout sets the chunking: 4 logits per load or one, so the same sums in the same order)."""
+    gen = torch.Generator().manual_seed(vocab + len(layout) + 7)
+    n = 64
+    values = row_logits(n, vocab, gen, device="cuda").to(dtype)
+
+    def laid_out(x: torch.Tensor) -> torch.Tensor:  # as row_logits lays rows out, for this dtype
+        if layout == "dense":
+            return x.contiguous()
+        offset, pad = (4, 8) if layout == "aligned" else (1, 3)
+        wide = torch.zeros(n, vocab + pad, dtype=x.dtype, device="cuda")
+        wide[:, offset:offset + vocab] = x
+        return wide[:, offset:offset + vocab]
+
+    temperature = torch.tensor([TEMPERATURES[i % 4] for i in range(n)], device="cuda")
+    u = torch.rand(n, generator=gen).cuda()
+    got = _draw(kernel, laid_out(values), temperature, u)
+    assert torch.equal(got, _draw(kernel, laid_out(values.float()), temperature, u))
 
 
 @gpu

@@ -4,7 +4,9 @@ Per step and layer: `write_kv` scatters the new K/V rows into their slots (one k
 skipped); `attend` runs
   * the row kernel (CUDA cores, one CTA per query row x kv head x split-K partition, GQA-aware) for
     decode rows, with a reduce kernel when a row's keys are split across partitions; in float32 it
-    serves every row (the test path);
+    serves every row (the test path). For bf16/fp16 models with 4-16 query heads per kv head at
+    head_dim 64 (Llama 3.2 1B/3B) the decode rows run on tensor cores instead (the kv head's query
+    heads as the rows of an mma tile; kernels_cuda/decode_group_mma.cuh);
   * the tensor-core prefill kernel (mma.sync, FlashAttention-2 style) for sequences with more than one
     new token (prefill chunks, prefix hits) in bf16/fp16.
 Both kernels read the same metadata and pick their own sequences, so a mixed batch is two launches.
@@ -87,7 +89,9 @@ class CudaPagedBackend(AttentionBackend):
         # prefill kernel variant (kernels_cuda/prefill.cuh): 0 is the default; others exist for the
         # benchmark and for testing them (PAGEDNB_PREFILL_VARIANT)
         self.prefill_variant = int(os.environ.get("PAGEDNB_PREFILL_VARIANT", "0") or 0)
-        self.row_variant = 1  # 1: cp.async-pipelined row kernel (bf16/fp16); 0: direct loads
+        # decode rows (launchers.h): 2 = tensor cores for large GQA groups, else as 1; 1 = the
+        # cp.async-pipelined row kernel (bf16/fp16); 0 = direct loads. 1 and 0 exist for benchmarks and tests.
+        self.row_variant = 2
 
     # ---- support ---------------------------------------------------------------------------------
     def unsupported_reason(self, dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device) -> str | None:

@@ -87,17 +87,20 @@ class DecodeGraphs:
         for batch_size in sizes:
             self._dummy_inputs(batch_size)
             v = runner.decode_views(batch_size)
-            metadata = self._metadata(batch_size)
 
-            def forward() -> torch.Tensor:
+            def forward(metadata: AttentionMetadata) -> torch.Tensor:
                 hidden = model(v.input_ids, v.positions, runner.kv_caches, metadata)
                 return model.compute_logits(hidden)
 
-            forward()  # warm-up: library handles, kernel attributes, the attention plan
+            forward(self._metadata(batch_size))  # warm-up: library handles, kernel attributes
             torch.cuda.synchronize(runner.device)
+            # fresh metadata (built before the capture: its views touch host memory): whatever device work
+            # the backend plans per step is then recorded in the graph, never read from tensors of the
+            # warm-up's plan, which are freed after this iteration
+            capture_metadata = self._metadata(batch_size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward()
+                logits = forward(capture_metadata)
             pool = graph.pool()
             self._graphs[batch_size], self._logits[batch_size] = graph, logits
             if bar is not None:

@@ -114,7 +114,7 @@ class ModelRunner:
             max_query_len=max(seq_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                             positions.to(self.device), self.kv_caches, metadata)
-        self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=self.device) - 1])
+        self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=self.device) - 1]).float()  # the sampler's copy
         scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self.release_kv_cache()
         return scratch

@@ -116,9 +116,12 @@ class Sampler(torch.nn.Module):
     """Order: penalties, min_tokens masking, then greedy argmax or temperature/top-k/top-p/min-p."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """`logits` is [n, V] float32; it is never modified."""
+        """`logits` is [n, V] in the model's dtype or float32; it is never modified. Greedy argmax and the
+        temperature kernel read it as it is; everything else works on its (exact) float32 copy."""
         if metadata.is_plain_greedy:
             return SamplerOutput(logits.argmax(-1), None, None, None)
+        if not _kernel_reads_as_is(metadata):
+            logits = logits.float()
         raw = logits
         logits = apply_penalties(logits, metadata.penalties)
         if metadata.banned is not None:
@@ -127,6 +130,12 @@ class Sampler(torch.nn.Module):
             logits[metadata.banned] = float("-inf")
         token_ids = _sample(logits, metadata)
         return _with_logprobs(raw, token_ids, metadata.max_num_logprobs)
+
+
+def _kernel_reads_as_is(md: SamplingMetadata) -> bool:
+    """Every row is a plain temperature draw: no penalties, masks, logprobs, filters or greedy rows."""
+    return (md.penalties is None and md.banned is None and md.max_num_logprobs is None and md.random_rows is None
+            and not md.all_greedy and md.top_k is None and md.min_p is None)
 
 
 def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -148,7 +157,7 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         token_ids = sample_with_temperature(logits, md.temperature, u)
         if token_ids is not None:
             return token_ids
-    logits = logits / md.temperature
+    logits = logits.float() / md.temperature  # (the float32 copy when the kernel declined bf16/fp16 rows)
     weights = (logits - logits.amax(-1, keepdim=True)).exp_()  # unnormalised; the top token is 1
     if md.top_k is not None:
         weights.masked_fill_(logits < _top_k_top_p_floor(logits, md), 0.0)

@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from pagednb.attention.cuda_backend import DTYPE_CODES
 from pagednb.attention.jit import check_status, current_stream, fused_ops_disabled, load_kernels
 
 MAX_VOCAB = 1 << 20  # kMaxSampleVocab in kernels_cuda/launchers.h (the kernel's chunk table)
@@ -30,7 +31,8 @@ MAX_VOCAB = 1 << 20  # kMaxSampleVocab in kernels_cuda/launchers.h (the kernel's
 
 def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
                             ) -> torch.Tensor | None:
-    """Token ids [n] int64 for logits [n, V] float32 (rows may be strided, the last dim dense),
+    """Token ids [n] int64 for logits [n, V] float32, bf16 or fp16 (rows may be strided, the last dim
+    dense; 16-bit logits are read as they are, which draws what their exact float32 copy would),
     temperature and uniforms [n] or [n, 1] float32 on the same device; None when the kernel cannot
     serve these inputs."""
     if not logits.is_cuda:
@@ -55,13 +57,14 @@ class SamplingKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.pagednb_sample_temperature.argtypes = [vp, i64, vp, i64, vp, i64, vp, i32, i32, vp]
+        lib.pagednb_sample_temperature.argtypes = [i32, vp, i64, vp, i64, vp, i64, vp, i32, i32, vp]
         lib.pagednb_sample_temperature.restype = i32
         self._lib = lib
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
                ) -> torch.Tensor | None:
-        if logits.dim() != 2 or logits.dtype != torch.float32:
+        code = DTYPE_CODES.get(logits.dtype)
+        if logits.dim() != 2 or code is None:
             return None
         n, vocab = logits.shape
         if not 0 < vocab <= MAX_VOCAB or (logits.stride(1) != 1 and vocab > 1) or logits.stride(0) < 0:
@@ -73,7 +76,7 @@ class SamplingKernel:
         if n == 0:
             return out
         rc = self._lib.pagednb_sample_temperature(
-            logits.data_ptr(), logits.stride(0), temperature.data_ptr(), t_stride, uniforms.data_ptr(),
+            code, logits.data_ptr(), logits.stride(0), temperature.data_ptr(), t_stride, uniforms.data_ptr(),
             u_stride, out.data_ptr(), n, vocab, current_stream(logits))
         check_status(self._lib, rc, "sampling")
         return out

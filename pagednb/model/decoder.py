@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from pagednb.attention.backend import AttentionBackend, AttentionMetadata
-from pagednb.model.fused_ops import qk_norm_rope
+from pagednb.model.fused_ops import qk_norm_rope, qk_norm_rope_write_kv
 from pagednb.model.layers import GatedMLP, MergedLinear, RMSNorm
 from pagednb.model.rotary import RotaryEmbedding
+from pagednb.model.small_linear import Linear, linear
 from pagednb.model.spec import ModelSpec
 
 
@@ -37,7 +38,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(
             spec.hidden_size, {"q_proj": h * d, "k_proj": hkv * d, "v_proj": hkv * d},
             bias=flavor.qkv_bias)
-        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=flavor.o_bias)
+        self.o_proj = Linear(h * d, spec.hidden_size, bias=flavor.o_bias)
         if flavor.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -52,11 +53,16 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # one kernel on a GPU, in place in the qkv output
-            q, k = qk_norm_rope(q, k, *rope, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 1e-6)
+        # on a GPU with pagednb's kernels: one launch, in place in the qkv output, that also writes the
+        # step's K/V into the cache; otherwise the ops one by one and the backend's own cache write
+        fused = (qk_norm_rope_write_kv(q, k, v, *rope, *norm, kv_cache, metadata.slot_mapping)
+                 if self.backend.name == "cuda" else None)
+        if fused is not None:
+            q, k = fused
         else:
-            q, k = qk_norm_rope(q, k, *rope)
-        self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping)
+            q, k = qk_norm_rope(q, k, *rope, *norm)
+            self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = self.backend.attend(q, kv_cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -115,7 +121,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = DecoderModel(self.spec, hf_config, self.flavor(hf_config), attn_backend)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+            self.lm_head = Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
 
     @classmethod
     def flavor(cls, cfg) -> DecoderFlavor:
@@ -129,8 +135,11 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype, as HF's LM head rounds them. The sampler reads bf16/fp16 logits as
+        they are where its kernel serves the rows and converts them to float32 (exactly) otherwise, so no
+        step pays a separate conversion pass over [n, V]."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight)
 
     def reset_buffers(self) -> None:
         """Recompute non-checkpoint buffers (the RoPE table) after building on the meta device."""

@@ -59,6 +59,20 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return qk_norm_rope_reference(q, k, cos, sin, q_weight, k_weight, eps)
 
 
+def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """qk_norm_rope, plus the step's K (after the rotary embedding) and V written into the paged cache
+    [2, num_blocks, block_size, Hkv, D] (attention/backend.py's layout) at slot_mapping (-1: skipped), in
+    the same launch. None when the kernel cannot serve these inputs: the caller then runs qk_norm_rope
+    and its backend's write_kv, which give the same q, k and cache."""
+    kernels = _kernels_for(q, k, v, q_weight, k_weight)
+    if kernels is None:
+        return None
+    return kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, (v, kv_cache, slot_mapping))
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 * I] = [gate | up]; a new [..., I] tensor."""
     kernels = _kernels_for(gate_up)
@@ -105,7 +119,7 @@ class FusedKernels:
         vp, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
         lib.pagednb_rms_norm.argtypes = [i32, vp, vp, vp, i64, vp, i64, vp, i32, i32, f32, vp]
         lib.pagednb_qk_norm_rope.argtypes = [i32, vp, i64, i64, vp, i64, i64, vp, vp, i64, vp, vp,
-                                             i32, i32, i32, i32, f32, vp]
+                                             i32, i32, i32, i32, f32, vp, i64, i64, vp, i64, vp, vp]
         lib.pagednb_silu_and_mul.argtypes = [i32, vp, vp, i64, i32, i32, vp]
         for f in (lib.pagednb_rms_norm, lib.pagednb_qk_norm_rope, lib.pagednb_silu_and_mul):
             f.restype = i32
@@ -138,8 +152,10 @@ class FusedKernels:
         return out if new_residual is None else (out, new_residual)
 
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                     cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cache_write: (v, kv_cache, slot_mapping) to write the step's K/V into the cache as well."""
         code = DTYPE_CODES.get(q.dtype)
         if code is None or q.dim() != 3 or k.dim() != 3:
             return None
@@ -161,11 +177,14 @@ class FusedKernels:
         if (q.data_ptr() | k.data_ptr() | cos.data_ptr() | sin.data_ptr() | w_ptrs
                 | strides * q.element_size()) % 16:
             return None
+        write = _cache_write_args(cache_write, q, k) if cache_write is not None else (None, 0, 0, None, 0, None)
+        if write is None:
+            return None
         rc = self._lib.pagednb_qk_norm_rope(
             code, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
             cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-            n, heads, k.shape[1], d, eps, current_stream(q))
+            n, heads, k.shape[1], d, eps, *write, current_stream(q))
         self._check(rc, "qk_norm_rope")
         return q, k
 
@@ -209,6 +228,23 @@ def _kernels_for(x: torch.Tensor, *others: torch.Tensor | None) -> FusedKernels 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)):
         return None
     return _enabled_kernels()
+
+
+def _cache_write_args(cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q: torch.Tensor,
+                      k: torch.Tensor) -> tuple | None:
+    """(v, v strides, cache, V-half offset, slots) for the kernel, or None if it cannot take them."""
+    v, kv_cache, slots = cache_write
+    n, hkv, d = k.shape
+    if (v.shape != k.shape or v.dtype != q.dtype or v.stride(2) != 1 or v.device != q.device
+            or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[-2:] != (hkv, d)
+            or kv_cache.dtype != q.dtype or not kv_cache.is_contiguous() or kv_cache.device != q.device
+            or slots.dtype != torch.int64 or slots.dim() != 1 or slots.stride(0) != 1 or slots.shape[0] < n
+            or slots.device != q.device):
+        return None
+    es = q.element_size()
+    if (v.data_ptr() | kv_cache.data_ptr() | (v.stride(0) | v.stride(1)) * es) % 16:
+        return None
+    return v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(), kv_cache[0].numel(), slots.data_ptr()
 
 
 def _row_stride(t: torch.Tensor) -> int | None:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from pagednb.model.fused_ops import rms_norm, silu_and_mul
+from pagednb.model.small_linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +26,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(Linear):
     """Several linears sharing one input, stored as one matrix so a step runs one matmul.
 
     `shards` names the original (HF) projections in output order, e.g. {"q_proj": 512, ...}; the
@@ -57,7 +58,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

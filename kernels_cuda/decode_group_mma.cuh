@@ -1,0 +1,269 @@
+// Decode attention on tensor cores for grouped-query heads (bf16/fp16; 4 to 16 query heads per kv head;
+// head_dim 64, see group_mma_applies). One CTA of 4 warps per (query row, kv head, split-K partition).
+//
+// Why: with G query heads per kv head the row kernel (decode.cuh) does G dot products and G
+// accumulations per K/V element on CUDA cores; at head_dim 64 and G = 4 that is instruction-bound
+// (~1.8 TB/s on an H200) long before the K/V read is. Here the G heads are the rows of an
+// mma.sync m16n8k16 tile (rows G..15 are zero padding; tensor cores have the throughput to spare), as
+// FlashInfer does for large groups: per 16 tokens a warp issues D/8 MMAs for the scores and D/8 for
+// P.V, and the K/V bytes become the limit again.
+//
+// Each warp streams its own tiles of 16 tokens (tiles warp, warp + 4, ... of the partition, so the
+// CTA reads the sequence front to back together) through a private S-stage cp.async ring in shared
+// memory (rows padded by 16 bytes: conflict-free ldmatrix), so the main loop has no CTA barrier,
+// only warp-level syncs. Scores: S = Q K^T (Q fragments loaded once, K by ldmatrix), masked past the
+// partition's end, in log2 units (scale * log2 e applied in float32), online softmax per warp row
+// (a quad of lanes holds one row), P rounded to the input type as the A operand of P V (V by
+// ldmatrix.trans), as the prefill kernel and FlashAttention do. The warps' (o, m, l) are merged in
+// shared memory at the end; with P > 1 partitions the unnormalised partials go to row_reduce_kernel
+// in the row kernel's layout.
+// Included by decode.cuh after the row kernel, whose kNegBig and row_reduce_kernel it shares.
+#pragma once
+
+#include "common.cuh"
+#include "launchers.h"
+
+namespace pagednb {
+
+template <int D>
+struct GroupMmaCfg {
+  static constexpr int NW = 4, NT = 32 * NW;
+  static constexpr int BN = 16;                   // tokens per warp tile
+  static constexpr int S = 3;                     // ring stages per warp
+  static constexpr int LDS = D + 8;               // smem row stride (elements)
+  static constexpr int STAGE = 2 * BN * LDS;      // elements: the K tile, then the V tile
+  static constexpr int CPR = D / 8;               // 16-byte chunks per token row
+  static constexpr int CPL = BN * CPR / 32;       // chunks per lane per K (or V) tile
+  static constexpr int Q_BYTES = 16 * LDS * 2;
+  static constexpr int RING_BYTES = NW * S * STAGE * 2;
+  static constexpr int MERGE_BYTES = NW * 16 * (D + 2) * 4;
+  static constexpr int SMEM = Q_BYTES + (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES);
+  static_assert((BN * CPR) % 32 == 0, "copy shape");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams p) {
+  using C = GroupMmaCfg<D>;
+  constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL;
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  T* sQ = reinterpret_cast<T*>(dyn_smem);
+  unsigned char* work = dyn_smem + C::Q_BYTES;
+
+  const int row = blockIdx.x;
+  const int s = find_seq(p.qsl, p.num_seqs, row);
+  if (s < 0) return;
+  const int qs = __ldg(p.qsl + s);
+  const int qlen = __ldg(p.qsl + s + 1) - qs;
+  if (p.decode_only && qlen != 1) return;
+  const int seq_len = __ldg(p.seq_lens + s);
+  const int pos = seq_len - qlen + (row - qs);
+  const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
+  const int hi = pos + 1;
+  const int t_begin = lo + blockIdx.z * p.part_size;
+  const int t_end = min(hi, t_begin + p.part_size);
+
+  const int kvh = blockIdx.y;
+  const int G = p.G;
+  const int h0 = kvh * G;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  // the G query heads -> sQ rows 0..G-1, rows G..15 zero
+  const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
+  for (int idx = tid; idx < 16 * CPR; idx += C::NT) {
+    const int g = idx / CPR, c = (idx % CPR) * 8;
+    const uint4 v = g < G ? ldg16(qrow + (int64_t)(h0 + g) * p.q_stride_head + c) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(sQ + g * LDS + c) = v;
+  }
+
+  // this warp's tiles of the partition: j = warp, warp + NW, ...
+  const int ntiles = t_end > t_begin ? (t_end - t_begin + BN - 1) / BN : 0;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  T* ring = reinterpret_cast<T*>(work) + warp * S * C::STAGE;
+  const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
+  const int64_t row_elems = (int64_t)p.Hkv * D;
+  const T* kbase = reinterpret_cast<const T*>(p.cache) + (int64_t)kvh * D;
+  const int bs_mask = (1 << p.bs_log2) - 1;
+  auto issue = [&](int i) {  // cp.async of the warp's tile i into stage i % S (an empty group past the end)
+    if (i < my_tiles) {
+      const int t0 = t_begin + (warp + i * NW) * BN;
+      T* st = ring + (i % S) * C::STAGE;
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) {
+        const int idx = c * 32 + lane;
+        const int r = idx / CPR, col = (idx % CPR) * 8;
+        const int t = min(t0 + r, t_end - 1);  // a real token of this partition: never garbage
+        const int blk = __ldg(bt + (t >> p.bs_log2));
+        const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_elems + col;
+        cp_async16(st + r * LDS + col, kp, true);
+        cp_async16(st + (BN + r) * LDS + col, kp + p.v_offset, true);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  __syncthreads();  // sQ written
+
+  uint32_t qf[D / 16][4];
+  {
+    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) ldmatrix_x4(qf[kc], sQ + a_row * LDS + kc * 16 + a_col);
+  }
+  const int k_row = (lane & 7) + 8 * (lane >> 4), k_col = 8 * ((lane >> 3) & 1);  // K: ldmatrix
+  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V: ldmatrix.trans
+  const int quad = lane & 3;
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {kNegBig, kNegBig}, l[2] = {0.f, 0.f};  // rows lane / 4 and lane / 4 + 8
+  const float sl2 = p.scale_log2;
+
+  for (int i = 0; i < my_tiles; ++i) {
+    __syncwarp();  // every lane is done with the stage that issue() refills
+    issue(i + S - 1);
+    cp_async_wait<S - 1>();
+    __syncwarp();  // tile i's copies by every lane have landed
+    const T* sK = ring + (i % S) * C::STAGE;
+    const T* sV = sK + BN * LDS;
+
+    float sc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, sK + k_row * LDS + kc * 16 + k_col);
+      mma16816<T>(sc[0], qf[kc], kb[0], kb[1]);
+      mma16816<T>(sc[1], qf[kc], kb[2], kb[3]);
+    }
+    const int t0 = t_begin + (warp + i * NW) * BN;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = t0 + nt * 8 + 2 * quad + (e & 1);
+        sc[nt][e] = t < t_end ? sc[nt][e] * sl2 : -INFINITY;
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // h = 0: row lane / 4 (elements 0, 1); h = 1: row + 8 (elements 2, 3)
+      float mx = fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m[h], mx);
+      const float alpha = fast_exp2(m[h] - mn);
+      m[h] = mn;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          sc[nt][e] = fast_exp2(sc[nt][e] - mn);
+          sum += sc[nt][e];
+        }
+      l[h] = l[h] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[j][2 * h] *= alpha;
+        o[j][2 * h + 1] *= alpha;
+      }
+    }
+    uint32_t pa[4] = {pack2<T>(sc[0][0], sc[0][1]), pack2<T>(sc[0][2], sc[0][3]),
+                      pack2<T>(sc[1][0], sc[1][1]), pack2<T>(sc[1][2], sc[1][3])};
+#pragma unroll
+    for (int dc = 0; dc < D / 16; ++dc) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, sV + v_row * LDS + dc * 16 + v_col);
+      mma16816<T>(o[2 * dc], pa, vb[0], vb[1]);
+      mma16816<T>(o[2 * dc + 1], pa, vb[2], vb[3]);
+    }
+  }
+
+  // the row sums are spread over the quad's lanes
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+
+  // merge the warps through shared memory (the ring's space once every copy has landed)
+  cp_async_wait<0>();
+  __syncthreads();
+  float* s_o = reinterpret_cast<float*>(work);        // [NW][16][D]
+  float* s_m = s_o + NW * 16 * D;                      // [NW][16]
+  float* s_l = s_m + NW * 16;                          // [NW][16]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int g = (lane >> 2) + 8 * h;
+    if (g < G) {
+      float* dst = s_o + (warp * 16 + g) * D + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      if (quad == 0) { s_m[warp * 16 + g] = m[h]; s_l[warp * 16 + g] = l[h]; }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += C::NT) {
+    const int g = idx / D, d = idx % D;
+    float M = s_m[g];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) M = fmaxf(M, s_m[w * 16 + g]);
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = fast_exp2(s_m[w * 16 + g] - M);
+      L += s_l[w * 16 + g] * f;
+      O += s_o[(w * 16 + g) * D + d] * f;
+    }
+    const int h = h0 + g;
+    if (p.P == 1) {
+      T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
+      out[d] = Elem<T>::from_float(O / L);
+    } else {
+      const int64_t pi = ((int64_t)row * p.H + h) * p.P + blockIdx.z;
+      p.part_o[pi * D + d] = O;
+      if (d == 0) { p.part_ml[2 * pi] = M; p.part_ml[2 * pi + 1] = L; }
+    }
+  }
+}
+
+// Allows the kernel its dynamic shared memory (over the 48 KiB default); once per instantiation.
+template <typename T, int D>
+cudaError_t configure_group_mma() {
+  static const cudaError_t e = cudaFuncSetAttribute(group_mma_decode_kernel<T, D>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, GroupMmaCfg<D>::SMEM);
+  return e;
+}
+
+template <typename T, int D>
+int launch_group_mma(const AttnParams& p, cudaStream_t st) {
+  using C = GroupMmaCfg<D>;
+  if (const cudaError_t e = configure_group_mma<T, D>(); e != cudaSuccess) return (int)e;
+  const dim3 grid(p.num_rows, p.Hkv, p.P);
+  group_mma_decode_kernel<T, D><<<grid, C::NT, C::SMEM, st>>>(p);
+  int e = (int)cudaGetLastError();
+  if (e != 0) return e;
+  if (p.P > 1) row_reduce_kernel<T><<<dim3(p.num_rows, p.H), D, 0, st>>>(p, D);
+  return (int)cudaGetLastError();
+}
+
+template <typename T, int D>
+int occupancy_group_mma_t() {
+  if (configure_group_mma<T, D>() != cudaSuccess) return 1;
+  int n = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, group_mma_decode_kernel<T, D>, 128,
+                                                                      GroupMmaCfg<D>::SMEM);
+  return e == cudaSuccess && n > 0 ? n : 1;
+}
+
+template <typename T>
+int launch_group_mma_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
+  return head_dim == 64 ? launch_group_mma<T, 64>(p, st) : -1;
+}
+template <typename T>
+int occupancy_group_mma_dtype(int head_dim) {
+  return head_dim == 64 ? occupancy_group_mma_t<T, 64>() : 1;
+}
+
+}  // namespace pagednb
