@@ -62,8 +62,9 @@ def per_call_ms(fns, reps: int) -> float:
 
 
 def bench(n: int, k: int, m: int, reps: int, gen: torch.Generator) -> dict:
-    from pagednb.model.small_linear import _kernels, gemv_serves
-    kernel = _kernels()
+    from pagednb.model.small_linear import gemv_serves
+    from pagednb.model.small_linear import kernel as gemv_kernel
+    kernel = gemv_kernel()
     nbytes = n * k * 2
     copies = max(1, min(CALLS_PER_GRAPH, -(-3 * L2_BYTES // nbytes)))  # 3x the L2: every call reads cold
     weights = [(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]

@@ -40,31 +40,26 @@ constexpr int64_t kMaxNormRowBytes = 8 * 512 * 16;
 
 int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
-int occupancy(int dtype, int head_dim, int gmax, int variant) {  // cached: one query per configuration
+// Resident CTAs per SM of the kernel serving decode rows of this configuration: the row kernel (GMAX query
+// heads per CTA), or the tensor-core one where group_mma_applies. Cached: one occupancy query each.
+int resident_ctas(int dtype, int head_dim, int G, int variant) {
   static std::mutex mu;
-  static int cache[2][3][5][4] = {};
-  variant = variant != 0;  // 1 and 2 are the same row kernel here (2 differs only where group_mma_applies)
+  static int cache[3][3][5][4] = {};  // [row kernel direct / ring, tensor cores][dtype][head_dim][GMAX]
+  const bool mma = pagednb::group_mma_applies(dtype, head_dim, G, variant);
+  const int gmax = gmax_for(G);
+  const int vi = mma ? 2 : variant != 0;  // row variants 1 and 2 are the same row kernel
   const int di = head_dim == 16 ? 0 : head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : 4;
-  const int gi = gmax == 1 ? 0 : gmax == 2 ? 1 : gmax == 4 ? 2 : 3;
+  const int gi = mma ? 0 : gmax == 1 ? 0 : gmax == 2 ? 1 : gmax == 4 ? 2 : 3;
   std::lock_guard<std::mutex> lock(mu);
-  int& n = cache[variant][dtype][di][gi];
+  int& n = cache[vi][dtype][di][gi];
   if (n == 0) {
-    n = dtype == pagednb::kFloat32   ? pagednb::occupancy_row_f32(head_dim, gmax, variant)
-        : dtype == pagednb::kFloat16 ? pagednb::occupancy_row_f16(head_dim, gmax, variant)
-                                     : pagednb::occupancy_row_bf16(head_dim, gmax, variant);
-    if (n <= 0) n = 1;
-  }
-  return n;
-}
-
-int group_mma_occupancy(int dtype, int head_dim) {  // cached like occupancy()
-  static std::mutex mu;
-  static int cache[2] = {};  // by dtype; head_dim is 64 (group_mma_applies)
-  std::lock_guard<std::mutex> lock(mu);
-  int& n = cache[dtype == pagednb::kBFloat16];
-  if (n == 0) {
-    n = dtype == pagednb::kBFloat16 ? pagednb::occupancy_group_mma_bf16(head_dim)
-                                    : pagednb::occupancy_group_mma_f16(head_dim);
+    if (mma)
+      n = dtype == pagednb::kBFloat16 ? pagednb::occupancy_group_mma_bf16(head_dim)
+                                      : pagednb::occupancy_group_mma_f16(head_dim);
+    else
+      n = dtype == pagednb::kFloat32   ? pagednb::occupancy_row_f32(head_dim, gmax, vi)
+          : dtype == pagednb::kFloat16 ? pagednb::occupancy_row_f16(head_dim, gmax, vi)
+                                       : pagednb::occupancy_row_bf16(head_dim, gmax, vi);
     if (n <= 0) n = 1;
   }
   return n;
@@ -86,8 +81,7 @@ int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int rang
   *head_groups = (G + gmax - 1) / gmax;
   range_max = range_max < 1 ? 1 : range_max;
   const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * Hkv * *head_groups;
-  const int resident = mma ? group_mma_occupancy(dtype, head_dim) : occupancy(dtype, head_dim, gmax, variant);
-  const int64_t wave = (int64_t)resident * (num_sms < 1 ? 1 : num_sms);
+  const int64_t wave = (int64_t)resident_ctas(dtype, head_dim, G, variant) * (num_sms < 1 ? 1 : num_sms);
   int64_t parts = 4 * base >= 3 * wave ? 1 : (wave + base - 1) / base;
   const int64_t max_parts = (range_max + 255) / 256;
   if (parts > max_parts) parts = max_parts;

@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
+from gpu_support import built_kernels, gpu
+
 from pagednb.attention import AttentionMetadata, TorchReferenceBackend
 from pagednb.attention.selector import select_attention_backend
 
-CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the kernels run on the H200 device); CPU CI skips")
 
 
 # ---- runs everywhere: the selector's contract ------------------------------------------------------
@@ -36,11 +36,8 @@ def test_cpu_selection_is_the_reference_and_forcing_cuda_on_cpu_raises():
 def backend(request):
     """The backend with each row-kernel variant (2, the default: tensor cores for 16-bit rows with 4-16
     query heads per kv head at head_dim 64, else as 1; 1: cp.async ring; 0: direct loads)."""
-    if not CUDA:
-        pytest.skip("needs a CUDA GPU")
-    from pagednb.attention.jit import load_error, load_kernels
-    lib = load_kernels()
-    assert lib is not None, f"the CUDA kernels did not build: {load_error()}"
+    from pagednb.attention.jit import load_kernels
+    lib = built_kernels(load_kernels)
     from pagednb.attention.cuda_backend import CudaPagedBackend
     backend = CudaPagedBackend(lib)
     backend.row_variant = request.param

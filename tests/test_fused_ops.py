@@ -27,13 +27,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_support import built_kernels, gpu
+
 from pagednb.model import fused_ops
 from pagednb.model.fused_ops import (qk_norm_rope_reference, rms_norm_reference,
                                      silu_and_mul_reference)
 from pagednb.model.layers import RMSNorm
 from pagednb.model.rotary import RotaryEmbedding
 
-CUDA = torch.cuda.is_available()
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 DTYPE_IDS = ["bf16", "fp16", "fp32"]
 EPS = 1e-6
@@ -168,18 +169,9 @@ def test_pagednb_fused_ops_0_turns_the_kernels_off(monkeypatch):
 
 
 # ---- GPU: the kernels against the references -------------------------------------------------------------
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the kernels run on the H200 device); CPU CI skips")
-
-
 @pytest.fixture(scope="module")
 def kernels():
-    if not CUDA:
-        pytest.skip("needs a CUDA GPU")
-    found = fused_ops.kernels()
-    if found is None:
-        from pagednb.attention.jit import load_error
-        pytest.skip(f"pagednb's CUDA kernels did not load: {load_error()}")
-    return found
+    return built_kernels(fused_ops.kernels)
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_support import built_kernels, gpu
+
 from pagednb.engine import sampler as sampler_module
 from pagednb.engine import sampling_kernel
 from pagednb.engine.sampler import Sampler, SamplingMetadata, _uniforms
@@ -24,7 +26,6 @@ from pagednb.engine.sampling_kernel import (MAX_VOCAB, SamplingKernel, sample_wi
                                             sample_with_temperature_reference)
 from pagednb.sampling_params import SamplingParams
 
-CUDA = torch.cuda.is_available()
 TEMPERATURES = [0.2, 0.6, 1.0, 2.0]
 U_BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1 (torch.rand's largest value)
 
@@ -197,18 +198,9 @@ def test_uniforms_inside_make_the_reference_pick_the_intended_token(vocab):
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the kernel runs on the H200 device); CPU CI skips")
-
-
 @pytest.fixture(scope="module")
 def kernel():
-    if not CUDA:
-        pytest.skip("needs a CUDA GPU")
-    found = sampling_kernel.kernel()
-    if found is None:
-        from pagednb.attention.jit import load_error
-        pytest.skip(f"pagednb's CUDA kernels did not load: {load_error()}")
-    return found
+    return built_kernels(sampling_kernel.kernel)
 
 
 def _draw(kernel, logits, temperature, u):

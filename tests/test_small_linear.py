@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_support import built_kernels, gpu
+
 from pagednb.model import small_linear
 from pagednb.model.small_linear import GEMV_MAX_ROWS, Linear, gemv_serves, linear
 
-CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the kernel runs on the H200 device); CPU CI skips")
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
 
 
@@ -76,12 +76,7 @@ def _assert_within_one_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Ten
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not CUDA:
-        pytest.skip("needs a CUDA GPU (the kernel runs on the H200 device); CPU CI skips")
-    from pagednb.attention.jit import load_error
-    k = small_linear._kernels()
-    assert k is not None, f"the CUDA kernels did not build: {load_error()}"
-    return k
+    return built_kernels(small_linear.kernel)
 
 
 def test_the_kernel_serves_one_row_and_two_rows_of_narrow_weights_only():

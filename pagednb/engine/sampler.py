@@ -62,6 +62,13 @@ class SamplingMetadata:
         return (self.all_greedy and self.penalties is None and self.banned is None
                 and self.max_num_logprobs is None)
 
+    @property
+    def is_plain_random(self) -> bool:
+        """True when every row is a plain temperature draw (no penalties, masks, logprobs, filters or
+        greedy rows): the sampling kernel's whole case, which reads the logits in the model's dtype."""
+        return (self.random_rows is None and not self.all_greedy and self.top_k is None and self.min_p is None
+                and self.penalties is None and self.banned is None and self.max_num_logprobs is None)
+
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
@@ -120,7 +127,7 @@ class Sampler(torch.nn.Module):
         temperature kernel read it as it is; everything else works on its (exact) float32 copy."""
         if metadata.is_plain_greedy:
             return SamplerOutput(logits.argmax(-1), None, None, None)
-        if not _kernel_reads_as_is(metadata):
+        if not metadata.is_plain_random:
             logits = logits.float()
         raw = logits
         logits = apply_penalties(logits, metadata.penalties)
@@ -130,12 +137,6 @@ class Sampler(torch.nn.Module):
             logits[metadata.banned] = float("-inf")
         token_ids = _sample(logits, metadata)
         return _with_logprobs(raw, token_ids, metadata.max_num_logprobs)
-
-
-def _kernel_reads_as_is(md: SamplingMetadata) -> bool:
-    """Every row is a plain temperature draw: no penalties, masks, logprobs, filters or greedy rows."""
-    return (md.penalties is None and md.banned is None and md.max_num_logprobs is None and md.random_rows is None
-            and not md.all_greedy and md.top_k is None and md.min_p is None)
 
 
 def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

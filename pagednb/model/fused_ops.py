@@ -177,7 +177,7 @@ class FusedKernels:
         if (q.data_ptr() | k.data_ptr() | cos.data_ptr() | sin.data_ptr() | w_ptrs
                 | strides * q.element_size()) % 16:
             return None
-        write = _cache_write_args(cache_write, q, k) if cache_write is not None else (None, 0, 0, None, 0, None)
+        write = _cache_write_args(cache_write, q, k)
         if write is None:
             return None
         rc = self._lib.pagednb_qk_norm_rope(
@@ -230,9 +230,12 @@ def _kernels_for(x: torch.Tensor, *others: torch.Tensor | None) -> FusedKernels 
     return _enabled_kernels()
 
 
-def _cache_write_args(cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q: torch.Tensor,
+def _cache_write_args(cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
                       k: torch.Tensor) -> tuple | None:
-    """(v, v strides, cache, V-half offset, slots) for the kernel, or None if it cannot take them."""
+    """(v, v strides, cache, V-half offset, slots) for the kernel (null pointers: no cache write), or None
+    if it cannot take them."""
+    if cache_write is None:
+        return None, 0, 0, None, 0, None
     v, kv_cache, slots = cache_write
     n, hkv, d = k.shape
     if (v.shape != k.shape or v.dtype != q.dtype or v.stride(2) != 1 or v.device != q.device

@@ -33,7 +33,7 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N], on the GEMV kernel where it applies."""
     if _gemv_applies(x, weight, bias):
-        out = _kernels().gemv(x, weight, bias)
+        out = _enabled_kernel().gemv(x, weight, bias)
         if out is not None:
             return out
     return F.linear(x, weight, bias)
@@ -60,7 +60,7 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
-    return _kernels() is not None
+    return _enabled_kernel() is not None
 
 
 class GemvKernel:
@@ -94,10 +94,14 @@ class GemvKernel:
 
 
 @functools.cache
-def _kernels() -> GemvKernel | None:
-    """The kernel, or None where it is off (PAGEDNB_FUSED_OPS=0) or pagednb's CUDA library is
-    unavailable (jit.load_error() says why)."""
-    if fused_ops_disabled():
-        return None
+def kernel() -> GemvKernel | None:
+    """The GEMV kernel, or None where pagednb's CUDA library is unavailable (jit.load_error() says why).
+    Built on first use with the other kernels."""
     lib = load_kernels()
     return None if lib is None else GemvKernel(lib)
+
+
+@functools.cache
+def _enabled_kernel() -> GemvKernel | None:
+    """kernel(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
+    return None if fused_ops_disabled() else kernel()

@@ -1,0 +1,28 @@
+"""What the GPU tests share: the skip marker for machines without a CUDA GPU, and the loaded kernels.
+
+On a CPU (CI) every GPU test is skipped with GPU_REASON. On a GPU the kernels must build: a failed build
+fails the tests that need them (with jit.load_error()'s reason), it never skips them.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+GPU_REASON = "needs a CUDA GPU (the kernels run on the H200 device); CPU CI skips"
+gpu = pytest.mark.skipif(not CUDA, reason=GPU_REASON)
+
+K = TypeVar("K")
+
+
+def built_kernels(get: Callable[[], K | None]) -> K:
+    """get()'s kernels on a GPU (asserting they built); skips the test on a CPU."""
+    if not CUDA:
+        pytest.skip(GPU_REASON)
+    found = get()
+    if found is None:
+        from pagednb.attention.jit import load_error
+        pytest.fail(f"pagednb's CUDA kernels did not build: {load_error()}")
+    return found
