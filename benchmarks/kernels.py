@@ -13,7 +13,7 @@ row-kernel variants 0, 1 and 2 (the default; at --head-dim 64 it is the tensor-c
 Timing: each variant is captured in a CUDA graph and replayed back to back, rotating between input sets
 whose total exceeds the 60 MB L2 several times where one set does not; one CUDA event per replay, median.
 
-    python benchmarks/kernels.py [--reps 30] [--prefill-variants 0,10] [--only prefill|decode] [--head-dim 64]
+    python benchmarks/kernels.py [--reps 30] [--prefill-variants 0,10] [--only prefill|decode|workload] [--head-dim 64]
 """
 from __future__ import annotations
 
@@ -136,6 +136,57 @@ def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
             "partition_tokens": plan[1], "input_sets": n}
 
 
+def workload_decode_inputs(lens: list[int], gen: torch.Generator, plan_len: int):
+    """One decode row per context length (shuffled blocks); the split plan made for plan_len tokens, as a
+    CUDA graph captured for max_model_len plans it."""
+    B = len(lens)
+    per = [-(-n // BS) for n in lens]
+    nb = sum(per)
+    cache = torch.randn(2, nb, BS, HKV, D, device="cuda", generator=gen).to(DT)
+    perm = torch.randperm(nb, device="cuda", generator=gen).int()
+    width = -(-plan_len // BS)
+    tables = torch.zeros(B, width, dtype=torch.int32, device="cuda")
+    off = 0
+    for i, n in enumerate(per):
+        tables[i, :n] = perm[off:off + n]
+        off += n
+    q = torch.randn(B, H, D, device="cuda", generator=gen).to(DT)
+    starts = list(range(B + 1))
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(B, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), block_tables=tables,
+        max_query_len=1, max_seq_len=plan_len, query_start_loc_cpu=starts, seq_lens_cpu=[plan_len] * B)
+    return q, cache, md
+
+
+def bench_workload(backend, reps: int, gen, every: int = 100, plan_len: int = 2048) -> dict:
+    """Decode attention at the throughput workload's running contexts, one snapshot every `every` steps
+    (all requests admitted at step 0: request i runs while step < output_i, at context prompt_i + step),
+    each kernel as the engine's graphs run it (split plan for max_model_len). The sum over snapshots x
+    `every` x layers estimates the attention seconds of a whole run."""
+    from shapes import workload
+    prompts, outputs = workload(256)
+    res = {}
+    for step in range(0, max(outputs), every):
+        lens = [len(p) + step + 1 for p, o in zip(prompts, outputs) if o > step]
+        kv_bytes = 2 * sum(lens) * HKV * D * 2
+        n = sets_for(kv_bytes)
+        sets = [workload_decode_inputs(lens, gen, plan_len) for _ in range(n)]
+        r = {"rows": len(lens), "kv_tokens": sum(lens), "kv_bytes": kv_bytes}
+        for variant, name in ((2, "tensor_cores"), (1, "row_kernel")):
+            backend.row_variant = variant
+            ms = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in sets], reps)
+            plan = [v for k, v in sets[0][2]._cuda_plan.row_plans.items() if k[-1] == variant][0]
+            r[name] = {"ms": ms, "GBps": kv_bytes / ms / 1e6, "partitions": plan[0]}
+        backend.row_variant = 2
+        res[f"step_{step}"] = r
+        print(f"step {step}: {r}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return res
+
+
 def bench_prefill(backend, lib, reps: int, gen, variants: list[int]) -> dict:
     """Our prefill kernel (each variant; 0 is the default) and SDPA causal over ctx + chunk tokens."""
     import ctypes
@@ -205,8 +256,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prefill-variants", default="0,10",
                     help="prefill kernel variants to time (0: the default; see kernels_cuda/prefill.cuh)")
-    ap.add_argument("--only", choices=["prefill", "decode"],
-                    help="time only these rows (prefill: no JSON written; decode: kernels_decode_d<D>.json)")
+    ap.add_argument("--only", choices=["prefill", "decode", "workload"],
+                    help="time only these rows (prefill: no JSON written; decode: kernels_decode_d<D>.json; "
+                         "workload: decode at the throughput workload's contexts, kernels_workload_d<D>.json)")
     ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every row (default 128)")
     args = ap.parse_args()
     global D
@@ -225,6 +277,24 @@ def main() -> None:
         print(f"prefill: {r}")
         print(f"SDPA flash {r['sdpa_TFLOPs']:.1f}, default {r['sdpa_default_TFLOPs']:.1f} TFLOP/s; ours (v0) "
               f"{r['ours_TFLOPs']:.1f} = {100 * r['ours_TFLOPs'] / r['sdpa_default_TFLOPs']:.0f}% of default")
+        return
+    if args.only == "workload":
+        res = bench_workload(backend, args.reps, gen)
+        layers = {64: 16, 128: 28}.get(D, 16)  # Llama-3.2-1B / Qwen3-0.6B
+        rows = [[k, r["rows"], r["kv_tokens"], r["tensor_cores"]["ms"], r["tensor_cores"]["GBps"],
+                 r["tensor_cores"]["partitions"], r["row_kernel"]["ms"], r["row_kernel"]["GBps"],
+                 r["row_kernel"]["partitions"]] for k, r in res.items()]
+        totals = {name: 100 * layers * sum(r[name]["ms"] for r in res.values()) / 1e3
+                  for name in ("tensor_cores", "row_kernel")}
+        floor = 100 * layers * sum(r["kv_bytes"] for r in res.values()) / 4285e9
+        path = save(f"kernels_workload_d{D}", {"shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "block_size": BS,
+                                                         "dtype": "bfloat16", "layers": layers},
+                                               "results": res, "run_seconds_estimate": totals,
+                                               "run_seconds_at_4285_GBps": floor})
+        print(f"wrote {path}")
+        print_table(["snapshot", "rows", "KV tokens", "TC ms", "TC GB/s", "TC P", "row ms", "row GB/s", "row P"], rows)
+        print(f"attention seconds per run (x100 steps x {layers} layers): tensor cores {totals['tensor_cores']:.3f}, "
+              f"row kernel {totals['row_kernel']:.3f}; at 4,285 GB/s {floor:.3f}")
         return
     for B, T in [(64, 4096), (256, 1024), (1, 32768)]:
         res[f"decode_B{B}_T{T}"] = r = bench_decode(backend, B, T, args.reps, gen)

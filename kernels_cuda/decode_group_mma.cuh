@@ -34,10 +34,9 @@ struct GroupMmaCfg {
   static constexpr int STAGE = 2 * BN * LDS;      // elements: the K tile, then the V tile
   static constexpr int CPR = D / 8;               // 16-byte chunks per token row
   static constexpr int CPL = BN * CPR / 32;       // chunks per lane per K (or V) tile
-  static constexpr int Q_BYTES = 16 * LDS * 2;
   static constexpr int RING_BYTES = NW * S * STAGE * 2;
   static constexpr int MERGE_BYTES = NW * 16 * (D + 2) * 4;
-  static constexpr int SMEM = Q_BYTES + (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES);
+  static constexpr int SMEM = RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES;
   static_assert((BN * CPR) % 32 == 0, "copy shape");
 };
 
@@ -46,8 +45,7 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
   using C = GroupMmaCfg<D>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
-  T* sQ = reinterpret_cast<T*>(dyn_smem);
-  unsigned char* work = dyn_smem + C::Q_BYTES;
+  unsigned char* work = dyn_smem;
 
   const int row = blockIdx.x;
   const int s = find_seq(p.qsl, p.num_seqs, row);
@@ -66,14 +64,6 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
   const int G = p.G;
   const int h0 = kvh * G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  // the G query heads -> sQ rows 0..G-1, rows G..15 zero
-  const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
-  for (int idx = tid; idx < 16 * CPR; idx += C::NT) {
-    const int g = idx / CPR, c = (idx % CPR) * 8;
-    const uint4 v = g < G ? ldg16(qrow + (int64_t)(h0 + g) * p.q_stride_head + c) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(sQ + g * LDS + c) = v;
-  }
 
   // this warp's tiles of the partition: j = warp, warp + NW, ...
   const int ntiles = t_end > t_begin ? (t_end - t_begin + BN - 1) / BN : 0;
@@ -102,13 +92,23 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
   };
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) issue(i);
-  __syncthreads();  // sQ written
 
+  // Q fragments straight from global memory, in the A layout of mma.m16n8k16 (a lane holds query heads
+  // lane / 4 and lane / 4 + 8 at columns 2 (lane % 4) + {0, 1} and + 8); heads G..15 are zero rows. No
+  // shared-memory staging: the ring alone then fits 4 CTAs per SM (3 with a staged Q).
   uint32_t qf[D / 16][4];
   {
-    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+    const int g = lane >> 2, c = 2 * (lane & 3);
+    const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
+    const uint32_t* q_lo = reinterpret_cast<const uint32_t*>(qrow + (int64_t)(h0 + g) * p.q_stride_head + c);
+    const uint32_t* q_hi = reinterpret_cast<const uint32_t*>(qrow + (int64_t)(h0 + g + 8) * p.q_stride_head + c);
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) ldmatrix_x4(qf[kc], sQ + a_row * LDS + kc * 16 + a_col);
+    for (int kc = 0; kc < D / 16; ++kc) {
+      qf[kc][0] = g < G ? __ldg(q_lo + kc * 8) : 0u;
+      qf[kc][1] = g + 8 < G ? __ldg(q_hi + kc * 8) : 0u;
+      qf[kc][2] = g < G ? __ldg(q_lo + kc * 8 + 4) : 0u;
+      qf[kc][3] = g + 8 < G ? __ldg(q_hi + kc * 8 + 4) : 0u;
+    }
   }
   const int k_row = (lane & 7) + 8 * (lane >> 4), k_col = 8 * ((lane >> 3) & 1);  // K: ldmatrix
   const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V: ldmatrix.trans

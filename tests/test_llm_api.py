@@ -1,6 +1,8 @@
 """The public API on a tiny random model: prompt forms, output order, sampling that is reproducible
 whatever the batch, stops and finish reasons, streaming through the step API, aborts, chat, stats,
 pool sizing, and bad input that raises a clear error while the engine keeps serving."""
+import gc
+
 import pytest
 
 from pagednb import LLM, RequestOutputKind, SamplingParams
@@ -147,8 +149,11 @@ def test_abort_ends_the_request_at_the_next_step_and_frees_its_blocks(llm):
     engine = llm.engine
     keep = engine.add_request(None, "The dog", GREEDY)
     gone = engine.add_request(None, "The cat", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
-    engine.step()
-    engine.step()
+    delivered = {}
+    for _ in range(2):
+        for out in engine.step():
+            delivered[out.request_id] = len(out.outputs[0].token_ids)
+    assert delivered.get(gone, 0) >= 1
     engine.abort_request(gone)
     assert llm.stats()["running"] == 2  # not before the step boundary
     finals = {}
@@ -157,7 +162,8 @@ def test_abort_ends_the_request_at_the_next_step_and_frees_its_blocks(llm):
             if out.finished:
                 finals[out.request_id] = out
     assert finals[gone].outputs[0].finish_reason == "abort"
-    assert len(finals[gone].outputs[0].token_ids) == 2
+    # nothing past what it had delivered: a step already in flight (asynchronous scheduling) is dropped
+    assert len(finals[gone].outputs[0].token_ids) == delivered[gone]
     assert finals[keep].outputs[0].finish_reason == "length"
 
 
@@ -257,6 +263,22 @@ def test_pool_sizing_logs_and_refuses_a_pool_that_cannot_hold_one_request(tiny_m
         LLM(path, max_model_len=100000)
     with pytest.raises(ValueError, match="block_size"):
         LLM(path, block_size=7)
+
+
+def test_start_up_ends_with_a_full_garbage_collection(tiny_model_dir):
+    """Start-up leaves many long-lived objects awaiting a full collection; serving must not be the one to
+    pay for it (a ~250 ms pause in the first workload on the H200), so start-up ends with one."""
+    events = []
+
+    def record(phase, info):
+        events.append((phase, info["generation"]))
+    gc.callbacks.append(record)
+    try:
+        llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=16, max_model_len=256)
+    finally:
+        gc.callbacks.remove(record)
+    llm.close()
+    assert events[-2:] == [("start", 2), ("stop", 2)]
 
 
 def test_close_frees_the_cache_and_refuses_more_work(tiny_model_dir):

@@ -79,6 +79,11 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # prompt and recomputed tokens included: all the model processed
         self.closed = False
+        # Start-up promoted ~10^6 long-lived objects (torch, transformers, the model) into the oldest GC
+        # generation without a full collection; serving's own survivors would then soon make one due, and it
+        # walks them all: a ~250 ms pause in the middle of the first workload (benchmarks/NOTES.md). One full
+        # collection here, while nothing is being served, resets that count.
+        gc.collect()
 
     def _capture_cuda_graphs(self) -> bool:
         """Decode CUDA graphs on a GPU with pagednb's CUDA attention, unless enforce_eager."""
