@@ -69,17 +69,27 @@ def sets_for(nbytes: int) -> int:
     return max(1, min(4, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
 
 
-def paged_decode_inputs(B: int, T: int, gen: torch.Generator):
-    nb = B * T // BS
+def paged_decode_inputs(lens: list[int], gen: torch.Generator, plan_len: int):
+    """One decode row per context length (shuffled blocks), with the split plan made for plan_len tokens
+    (the longest row, or max_model_len as the engine's CUDA graphs plan it)."""
+    B = len(lens)
+    per = [-(-n // BS) for n in lens]
+    nb = sum(per)
     cache = torch.randn(2, nb, BS, HKV, D, device="cuda", generator=gen).to(DT)
-    tables = torch.randperm(nb, device="cuda", generator=gen).view(B, T // BS).int()
+    perm = torch.randperm(nb, device="cuda", generator=gen).int()
+    width = -(-plan_len // BS)
+    tables = torch.zeros(B, width, dtype=torch.int32, device="cuda")
+    off = 0
+    for i, n in enumerate(per):
+        tables[i, :n] = perm[off:off + n]
+        off += n
     q = torch.randn(B, H, D, device="cuda", generator=gen).to(DT)
     starts = list(range(B + 1))
     md = AttentionMetadata(
         slot_mapping=torch.zeros(B, dtype=torch.int64, device="cuda"),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((B,), T, dtype=torch.int32, device="cuda"), block_tables=tables,
-        max_query_len=1, max_seq_len=T, query_start_loc_cpu=starts, seq_lens_cpu=[T] * B)
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), block_tables=tables,
+        max_query_len=1, max_seq_len=plan_len, query_start_loc_cpu=starts, seq_lens_cpu=[plan_len] * B)
     return q, cache, md
 
 
@@ -108,7 +118,7 @@ def sdpa_call(q, k, v, causal: bool, flash: bool = True):
 def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
     kv_bytes = 2 * B * T * HKV * D * 2
     n = sets_for(kv_bytes)
-    sets = [paged_decode_inputs(B, T, gen) for _ in range(n)]
+    sets = [paged_decode_inputs([T] * B, gen, T) for _ in range(n)]
     by_variant = {}
     for variant in (0, 1, 2):  # 0: direct loads, 1: cp.async ring, 2: tensor cores for 4-16 heads per kv head
         backend.row_variant = variant
@@ -136,30 +146,6 @@ def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
             "partition_tokens": plan[1], "input_sets": n}
 
 
-def workload_decode_inputs(lens: list[int], gen: torch.Generator, plan_len: int):
-    """One decode row per context length (shuffled blocks); the split plan made for plan_len tokens, as a
-    CUDA graph captured for max_model_len plans it."""
-    B = len(lens)
-    per = [-(-n // BS) for n in lens]
-    nb = sum(per)
-    cache = torch.randn(2, nb, BS, HKV, D, device="cuda", generator=gen).to(DT)
-    perm = torch.randperm(nb, device="cuda", generator=gen).int()
-    width = -(-plan_len // BS)
-    tables = torch.zeros(B, width, dtype=torch.int32, device="cuda")
-    off = 0
-    for i, n in enumerate(per):
-        tables[i, :n] = perm[off:off + n]
-        off += n
-    q = torch.randn(B, H, D, device="cuda", generator=gen).to(DT)
-    starts = list(range(B + 1))
-    md = AttentionMetadata(
-        slot_mapping=torch.zeros(B, dtype=torch.int64, device="cuda"),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), block_tables=tables,
-        max_query_len=1, max_seq_len=plan_len, query_start_loc_cpu=starts, seq_lens_cpu=[plan_len] * B)
-    return q, cache, md
-
-
 def bench_workload(backend, reps: int, gen, every: int = 100, plan_len: int = 2048) -> dict:
     """Decode attention at the throughput workload's running contexts, one snapshot every `every` steps
     (all requests admitted at step 0: request i runs while step < output_i, at context prompt_i + step),
@@ -172,7 +158,7 @@ def bench_workload(backend, reps: int, gen, every: int = 100, plan_len: int = 20
         lens = [len(p) + step + 1 for p, o in zip(prompts, outputs) if o > step]
         kv_bytes = 2 * sum(lens) * HKV * D * 2
         n = sets_for(kv_bytes)
-        sets = [workload_decode_inputs(lens, gen, plan_len) for _ in range(n)]
+        sets = [paged_decode_inputs(lens, gen, plan_len) for _ in range(n)]
         r = {"rows": len(lens), "kv_tokens": sum(lens), "kv_bytes": kv_bytes}
         for variant, name in ((2, "tensor_cores"), (1, "row_kernel")):
             backend.row_variant = variant

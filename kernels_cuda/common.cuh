@@ -7,7 +7,21 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "launchers.h"
+
 namespace pagednb {
+
+// The host launchers' dtype dispatch: f(T{}) with the element type of a dtype code (f instantiates its
+// kernel for decltype of the argument); -1 for an unknown code.
+template <typename F>
+int with_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case kFloat32: return f(float{});
+    case kFloat16: return f(__half{});
+    case kBFloat16: return f(__nv_bfloat16{});
+    default: return -1;
+  }
+}
 
 // ---- scalar conversions (bit-level, independent of __CUDA_NO_*_CONVERSIONS__ macros) -------------
 __device__ __forceinline__ float bf16_lo(uint32_t x) { return __uint_as_float(x << 16); }

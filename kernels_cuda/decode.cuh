@@ -25,6 +25,56 @@ namespace pagednb {
 
 constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima: no inf - inf
 
+// What a decode CTA attends to: the sequence of query row `row` and the keys [t_begin, t_end) of its
+// split-K partition (blockIdx.z), causal and inside the sliding window. False: nothing to do here (a
+// padding row past the last sequence, or a prefill row while only decode rows are served).
+struct RowKeys {
+  int seq, t_begin, t_end;
+};
+
+__device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& k) {
+  k.seq = find_seq(p.qsl, p.num_seqs, row);
+  if (k.seq < 0) return false;
+  const int qs = __ldg(p.qsl + k.seq);
+  const int qlen = __ldg(p.qsl + k.seq + 1) - qs;
+  if (p.decode_only && qlen != 1) return false;
+  const int pos = __ldg(p.seq_lens + k.seq) - qlen + (row - qs);
+  const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
+  k.t_begin = lo + blockIdx.z * p.part_size;
+  k.t_end = min(pos + 1, k.t_begin + p.part_size);
+  return true;
+}
+
+// Merges the NW warps' partial results for the CTA's `ng` query heads h0.. of `row`, left in shared
+// memory as o [NW][ROWS][D] and m, l [NW][ROWS] (unnormalised, maxima in log2 units): the normalised
+// output when P == 1, else partition blockIdx.z's partial (o, m, l) for row_reduce_kernel.
+template <typename T, int D, int NW, int ROWS, int NT>
+__device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const float* s_o, const float* s_m,
+                                                      const float* s_l, int ng, int h0, int row) {
+  for (int idx = threadIdx.x; idx < ng * D; idx += NT) {
+    const int g = idx / D, d = idx % D;
+    float M = s_m[g];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) M = fmaxf(M, s_m[w * ROWS + g]);
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = fast_exp2(s_m[w * ROWS + g] - M);
+      L += s_l[w * ROWS + g] * f;
+      O += s_o[(w * ROWS + g) * D + d] * f;
+    }
+    const int h = h0 + g;
+    if (p.P == 1) {
+      T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
+      out[d] = Elem<T>::from_float(O / L);
+    } else {
+      const int64_t pi = ((int64_t)row * p.H + h) * p.P + blockIdx.z;
+      p.part_o[pi * D + d] = O;
+      if (d == 0) { p.part_ml[2 * pi] = M; p.part_ml[2 * pi + 1] = L; }
+    }
+  }
+}
+
 template <typename T, int D, int GMAX>
 struct RowCfg {
   static constexpr int VEC = Elem<T>::kVec;                       // elements per 16 B
@@ -51,17 +101,9 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
 
   const int row = blockIdx.x;
-  const int s = find_seq(p.qsl, p.num_seqs, row);
-  if (s < 0) return;
-  const int qs = __ldg(p.qsl + s);
-  const int qlen = __ldg(p.qsl + s + 1) - qs;
-  if (p.decode_only && qlen != 1) return;
-  const int seq_len = __ldg(p.seq_lens + s);
-  const int pos = seq_len - qlen + (row - qs);
-  const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
-  const int hi = pos + 1;
-  const int t_begin = lo + blockIdx.z * p.part_size;
-  const int t_end = min(hi, t_begin + p.part_size);
+  RowKeys keys;
+  if (!row_keys(p, row, keys)) return;
+  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
   const int kvh = blockIdx.y / p.head_groups;
   const int g0 = (blockIdx.y % p.head_groups) * GMAX;
@@ -255,28 +297,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < ng * D; idx += C::NT) {
-    const int g = idx / D, d = idx % D;
-    float M = s_m[0][g];
-#pragma unroll
-    for (int w = 1; w < NW; ++w) M = fmaxf(M, s_m[w][g]);
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = fast_exp2(s_m[w][g] - M);
-      L += s_l[w][g] * f;
-      O += s_acc[w][g][d] * f;
-    }
-    const int h = h0 + g;
-    if (p.P == 1) {
-      T* o = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
-      o[d] = Elem<T>::from_float(O / L);
-    } else {
-      const int64_t pi = ((int64_t)row * p.H + h) * p.P + blockIdx.z;
-      p.part_o[pi * D + d] = O;
-      if (d == 0) { p.part_ml[2 * pi] = M; p.part_ml[2 * pi + 1] = L; }
-    }
-  }
+  merge_warps_and_store<T, D, NW, GMAX, NT>(p, &s_acc[0][0][0], &s_m[0][0], &s_l[0][0], ng, h0, row);
 }
 
 // Merges the P partials of each (row, head): one thread per output element of the head.

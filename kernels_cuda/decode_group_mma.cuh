@@ -17,7 +17,8 @@
 // ldmatrix.trans), as the prefill kernel and FlashAttention do. The warps' (o, m, l) are merged in
 // shared memory at the end; with P > 1 partitions the unnormalised partials go to row_reduce_kernel
 // in the row kernel's layout.
-// Included by decode.cuh after the row kernel, whose kNegBig and row_reduce_kernel it shares.
+// Included by decode.cuh after the row kernel, whose row_keys, merge_warps_and_store, kNegBig and
+// row_reduce_kernel it shares.
 #pragma once
 
 #include "common.cuh"
@@ -48,17 +49,9 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
   unsigned char* work = dyn_smem;
 
   const int row = blockIdx.x;
-  const int s = find_seq(p.qsl, p.num_seqs, row);
-  if (s < 0) return;
-  const int qs = __ldg(p.qsl + s);
-  const int qlen = __ldg(p.qsl + s + 1) - qs;
-  if (p.decode_only && qlen != 1) return;
-  const int seq_len = __ldg(p.seq_lens + s);
-  const int pos = seq_len - qlen + (row - qs);
-  const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
-  const int hi = pos + 1;
-  const int t_begin = lo + blockIdx.z * p.part_size;
-  const int t_end = min(hi, t_begin + p.part_size);
+  RowKeys keys;
+  if (!row_keys(p, row, keys)) return;
+  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
   const int kvh = blockIdx.y;
   const int G = p.G;
@@ -204,28 +197,7 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < G * D; idx += C::NT) {
-    const int g = idx / D, d = idx % D;
-    float M = s_m[g];
-#pragma unroll
-    for (int w = 1; w < NW; ++w) M = fmaxf(M, s_m[w * 16 + g]);
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = fast_exp2(s_m[w * 16 + g] - M);
-      L += s_l[w * 16 + g] * f;
-      O += s_o[(w * 16 + g) * D + d] * f;
-    }
-    const int h = h0 + g;
-    if (p.P == 1) {
-      T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
-      out[d] = Elem<T>::from_float(O / L);
-    } else {
-      const int64_t pi = ((int64_t)row * p.H + h) * p.P + blockIdx.z;
-      p.part_o[pi * D + d] = O;
-      if (d == 0) { p.part_ml[2 * pi] = M; p.part_ml[2 * pi + 1] = L; }
-    }
-  }
+  merge_warps_and_store<T, D, NW, 16, C::NT>(p, s_o, s_m, s_l, G, h0, row);
 }
 
 // Allows the kernel its dynamic shared memory (over the 48 KiB default); once per instantiation.

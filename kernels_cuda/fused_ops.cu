@@ -315,35 +315,22 @@ int launch_silu_and_mul_dtype(void* out, const void* gate_up, int64_t stride, in
 int launch_rms_norm(int dtype, const RmsNormArgs& a, void* stream) {
   if (a.rows <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case kFloat32: return launch_rms_norm_dtype<float>(a, st);
-    case kFloat16: return launch_rms_norm_dtype<__half>(a, st);
-    case kBFloat16: return launch_rms_norm_dtype<__nv_bfloat16>(a, st);
-    default: return -1;
-  }
+  return with_dtype(dtype, [&](auto t) { return launch_rms_norm_dtype<decltype(t)>(a, st); });
 }
 
 int launch_qk_norm_rope(int dtype, const QkRopeArgs& a, void* stream) {
   if (a.num_tokens <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case kFloat32: return launch_qk_norm_rope_dtype<float>(a, st);
-    case kFloat16: return launch_qk_norm_rope_dtype<__half>(a, st);
-    case kBFloat16: return launch_qk_norm_rope_dtype<__nv_bfloat16>(a, st);
-    default: return -1;
-  }
+  return with_dtype(dtype, [&](auto t) { return launch_qk_norm_rope_dtype<decltype(t)>(a, st); });
 }
 
 int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
                         void* stream) {
   if (rows <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case kFloat32: return launch_silu_and_mul_dtype<float>(out, gate_up, stride, rows, inter, st);
-    case kFloat16: return launch_silu_and_mul_dtype<__half>(out, gate_up, stride, rows, inter, st);
-    case kBFloat16: return launch_silu_and_mul_dtype<__nv_bfloat16>(out, gate_up, stride, rows, inter, st);
-    default: return -1;
-  }
+  return with_dtype(dtype, [&](auto t) {
+    return launch_silu_and_mul_dtype<decltype(t)>(out, gate_up, stride, rows, inter, st);
+  });
 }
 
 }  // namespace pagednb

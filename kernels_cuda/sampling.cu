@@ -301,12 +301,7 @@ int launch_sample_dtype(const SampleArgs& a, cudaStream_t st) {
 int launch_sample_temperature(const SampleArgs& a, void* stream) {
   if (a.rows <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  switch (a.logits_dtype) {
-    case kFloat32: return launch_sample_dtype<float>(a, st);
-    case kFloat16: return launch_sample_dtype<__half>(a, st);
-    case kBFloat16: return launch_sample_dtype<__nv_bfloat16>(a, st);
-    default: return -1;
-  }
+  return with_dtype(a.logits_dtype, [&](auto t) { return launch_sample_dtype<decltype(t)>(a, st); });
 }
 
 }  // namespace pagednb
