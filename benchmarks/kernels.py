@@ -8,12 +8,12 @@ row-kernel variants 0, 1 and 2 (the default; at --head-dim 64 it is the tensor-c
   prefill chunk 2048 over 2048 cached   target: >= 60% of SDPA's causal throughput (TFLOP/s), SDPA left
                                         to its own backend choice (flash reported beside it); SDPA runs
                                         causal self-attention over 4096 tokens, whose last 2048 rows are
-                                        exactly this chunk's work; --prefill-variants times other variants
+                                        exactly this chunk's work
   cache write, 32768 tokens             target: >= 80% of copy bandwidth (read + write), copy measured here
 Timing: each variant is captured in a CUDA graph and replayed back to back, rotating between input sets
 whose total exceeds the 60 MB L2 several times where one set does not; one CUDA event per replay, median.
 
-    python benchmarks/kernels.py [--reps 30] [--prefill-variants 0,10] [--only prefill|decode|workload] [--head-dim 64]
+    python benchmarks/kernels.py [--reps 30] [--only prefill|decode|workload] [--head-dim 64]
 """
 from __future__ import annotations
 
@@ -173,9 +173,9 @@ def bench_workload(backend, reps: int, gen, every: int = 100, plan_len: int = 20
     return res
 
 
-def bench_prefill(backend, lib, reps: int, gen, variants: list[int]) -> dict:
-    """Our prefill kernel (each variant; 0 is the default) and SDPA causal over ctx + chunk tokens."""
-    import ctypes
+def bench_prefill(backend, lib, reps: int, gen) -> dict:
+    """Our prefill kernel and SDPA causal over ctx + chunk tokens."""
+    from pagednb.kernels import dtype_codes
 
     ctx, chunk = 2048, 2048
     T = ctx + chunk
@@ -190,15 +190,9 @@ def bench_prefill(backend, lib, reps: int, gen, variants: list[int]) -> dict:
         seq_lens=torch.tensor([T], dtype=torch.int32, device="cuda"), block_tables=tables,
         max_query_len=chunk, max_seq_len=T, query_start_loc_cpu=starts, seq_lens_cpu=[T])
     flops = 4 * D * H * sum(ctx + i + 1 for i in range(chunk))
-    by_variant = {}
-    occupancy = getattr(lib, "pagednb_prefill_occupancy", None)
-    for variant in variants:
-        backend.prefill_variant = variant
-        ms = time_ms([lambda: backend.attend(q, cache, md, D ** -0.5, None)], reps)
-        ctas = int(occupancy(ctypes.c_int(2), ctypes.c_int(D), ctypes.c_int(variant))) if occupancy else None
-        by_variant[str(variant)] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "ctas_per_sm": ctas}
-        print(f"  prefill variant {variant}: {ms:.4f} ms, {flops / ms / 1e9:.1f} TFLOP/s, {ctas} CTAs/SM", flush=True)
-    backend.prefill_variant = 0
+    ours = time_ms([lambda: backend.attend(q, cache, md, D ** -0.5, None)], reps)
+    ctas = lib.pagednb_prefill_occupancy(dtype_codes(lib)[DT], D)
+    print(f"  prefill: {ours:.4f} ms, {flops / ours / 1e9:.1f} TFLOP/s, {ctas} CTAs/SM", flush=True)
     qs = torch.randn(1, H, T, D, device="cuda", generator=gen).to(DT)
     ks = torch.randn(1, HKV, T, D, device="cuda", generator=gen).to(DT)
     vs = torch.randn_like(ks)
@@ -206,11 +200,10 @@ def bench_prefill(backend, lib, reps: int, gen, variants: list[int]) -> dict:
     sdpa = time_ms([fn], reps)
     sdpa_default = time_ms([sdpa_call(qs, ks, vs, True, flash=False)[0]], reps)
     sdpa_flops = 4 * D * H * T * (T + 1) / 2
-    ours = by_variant["0"]["ms"] if "0" in by_variant else min(v["ms"] for v in by_variant.values())
     return {"ours_ms": ours, "sdpa_ms": sdpa, "sdpa_backend": kind, "sdpa_default_ms": sdpa_default,
             "sdpa_default_TFLOPs": sdpa_flops / sdpa_default / 1e9, "ours_TFLOPs": flops / ours / 1e9,
             "sdpa_TFLOPs": sdpa_flops / sdpa / 1e9, "flops": flops, "sdpa_flops": sdpa_flops,
-            "variants": by_variant}
+            "ctas_per_sm": ctas}
 
 
 def bench_write(backend, reps: int, gen) -> dict:
@@ -240,8 +233,6 @@ def bench_write(backend, reps: int, gen) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--prefill-variants", default="0,10",
-                    help="prefill kernel variants to time (0: the default; see kernels_cuda/prefill.cuh)")
     ap.add_argument("--only", choices=["prefill", "decode", "workload"],
                     help="time only these rows (prefill: no JSON written; decode: kernels_decode_d<D>.json; "
                          "workload: decode at the throughput workload's contexts, kernels_workload_d<D>.json)")
@@ -249,9 +240,8 @@ def main() -> None:
     args = ap.parse_args()
     global D
     D = args.head_dim
-    variants = [int(v) for v in args.prefill_variants.split(",") if v.strip()]
     from pagednb.attention.cuda_backend import CudaPagedBackend
-    from pagednb.attention.jit import load_error, load_kernels
+    from pagednb.kernels import load_error, load_kernels
     lib = load_kernels()
     if lib is None:
         raise SystemExit(f"CUDA kernels unavailable: {load_error()}")
@@ -259,9 +249,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     res: dict = {}
     if args.only == "prefill":
-        r = bench_prefill(backend, lib, args.reps, gen, variants)
+        r = bench_prefill(backend, lib, args.reps, gen)
         print(f"prefill: {r}")
-        print(f"SDPA flash {r['sdpa_TFLOPs']:.1f}, default {r['sdpa_default_TFLOPs']:.1f} TFLOP/s; ours (v0) "
+        print(f"SDPA flash {r['sdpa_TFLOPs']:.1f}, default {r['sdpa_default_TFLOPs']:.1f} TFLOP/s; ours "
               f"{r['ours_TFLOPs']:.1f} = {100 * r['ours_TFLOPs'] / r['sdpa_default_TFLOPs']:.0f}% of default")
         return
     if args.only == "workload":
@@ -295,7 +285,7 @@ def main() -> None:
         print_table(["row", "ours ms", "ours GB/s", "row kernel GB/s", "SDPA flash GB/s", "SDPA default GB/s",
                      "partitions"], rows)
         return
-    res["prefill_2048_over_2048"] = r = bench_prefill(backend, lib, args.reps, gen, variants)
+    res["prefill_2048_over_2048"] = r = bench_prefill(backend, lib, args.reps, gen)
     print(f"prefill: {r}", flush=True)
     res["cache_write_32768"] = r = bench_write(backend, args.reps, gen)
     print(f"cache write: {r}", flush=True)
@@ -324,11 +314,6 @@ def main() -> None:
         f">= 60% SDPA default ({100 * frac_default:.0f}%; flash {100 * frac:.0f}%)", frac_default >= 0.6,
         ref_ms=r["sdpa_default_ms"])
     targets["prefill 2048/2048"]["vs_sdpa_flash"] = {"fraction": frac, "met": frac >= 0.6}
-    for v, rv in r["variants"].items():
-        if v != "0":
-            rows.append([f"  prefill variant {v}", rv["ms"], r["sdpa_default_ms"], "TFLOP/s", rv["TFLOPs"],
-                         r["sdpa_default_TFLOPs"],
-                         f"{rv['ctas_per_sm']} CTAs/SM" if (rv["ctas_per_sm"] or 0) > 0 else "(first kernel)", "-"])
     r = res["cache_write_32768"]
     frac = r["ours_GBps"] / max(r["copy_GBps"], 4285.0)  # measured copy, or the 4,285 GB/s anchor if higher
     add("cache write 32768 tok", r, "GB/s", r["ours_GBps"], r["copy_GBps"], f">= 80% copy ({100 * frac:.0f}%)",

@@ -62,9 +62,8 @@ def per_call_ms(fns, reps: int) -> float:
 
 
 def bench(n: int, k: int, m: int, reps: int, gen: torch.Generator) -> dict:
-    from pagednb.model.small_linear import gemv_serves
-    from pagednb.model.small_linear import kernel as gemv_kernel
-    kernel = gemv_kernel()
+    from pagednb.model.small_linear import KERNEL, gemv_serves
+    kernel = KERNEL.get()
     nbytes = n * k * 2
     copies = max(1, min(CALLS_PER_GRAPH, -(-3 * L2_BYTES // nbytes)))  # 3x the L2: every call reads cold
     weights = [(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
@@ -85,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    from pagednb.attention.jit import load_error, load_kernels
+    from pagednb.kernels import load_error, load_kernels
     if load_kernels() is None:
         raise SystemExit(f"CUDA kernels unavailable: {load_error()}")
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -45,7 +45,7 @@ def host_phases(llm: LLM, batch: int, context: int, vocab: int) -> dict:
     targets = [(engine.scheduler, "schedule"), (engine.scheduler, "update_from_output"), (runner, "launch"),
                (runner, "collect"), (runner, "_fill_decode"), (runner, "_gather_pending"), (runner.buffers, "views"),
                (runner.buffers, "upload"), (runner.stager, "next_step"), (runner.sampler, "forward"),
-               (engine.output_processor, "detokenize"), (engine.output_processor, "make_outputs"),
+               (engine.output_processor, "process"),
                (model_runner.SamplingMetadata, "build")]
     if runner.graphs is not None:
         targets.append((runner.graphs, "replay"))

@@ -1,8 +1,8 @@
-// The one binding file: a small C ABI over the launchers, called from Python through ctypes
-// (pagednb/attention/cuda_backend.py, pagednb/model/fused_ops.py, pagednb/model/small_linear.py,
-// pagednb/engine/sampling_kernel.py). It includes no torch header, so it compiles in about a second; Python passes data pointers, strides and the
-// current CUDA stream, and this layer checks the configuration (dtype, head_dim, block size, head counts,
-// alignment) before anything is launched.
+// The one binding file: a small C ABI over the launchers, called from Python through ctypes (every signature
+// is declared in pagednb/kernels/abi.py). It includes no torch header, so it compiles in about a second; Python
+// passes data pointers, strides and the current CUDA stream, and this layer checks the configuration (dtype,
+// head_dim, block size, head counts, alignment) before anything is launched. The tables of what the kernels
+// take (dtype codes, head dims, size limits) are exported too: Python reads them rather than copying them.
 #include <cuda_runtime.h>
 
 #include <initializer_list>
@@ -15,16 +15,28 @@ using pagednb::AttnParams;
 
 namespace {
 
-bool supported_head_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
+// torch's names of the dtype codes, in DType order
+constexpr const char* kDTypeNames[] = {"float32", "float16", "bfloat16"};
+static_assert(sizeof(kDTypeNames) / sizeof(kDTypeNames[0]) == pagednb::kNumDTypes, "a name per dtype code");
+static_assert(pagednb::kFloat32 == 0 && pagednb::kFloat16 == 1 && pagednb::kBFloat16 == 2, "codes index the names");
+
+constexpr int kNumHeadDims = sizeof(pagednb::kHeadDims) / sizeof(pagednb::kHeadDims[0]);
+
+bool supported_dtype(int dtype) { return dtype >= 0 && dtype < pagednb::kNumDTypes; }
+
+bool supported_head_dim(int d) {
+  for (int s : pagednb::kHeadDims)
+    if (d == s) return true;
+  return false;
+}
 
 int check_params(int dtype, int head_dim, const AttnParams* p) {
-  if (p == nullptr || dtype < 0 || dtype > 2 || !supported_head_dim(head_dim)) return -1;
+  if (p == nullptr || !supported_dtype(dtype) || !supported_head_dim(head_dim)) return -1;
   if (p->Hkv <= 0 || p->G <= 0 || p->H != p->Hkv * p->G) return -1;
   if (p->bs_log2 < 0 || p->bs_log2 > 12 || p->num_seqs <= 0) return -1;
   return 0;
 }
 
-bool supported_dtype(int dtype) { return dtype >= 0 && dtype <= 2; }
 int64_t elem_size(int dtype) { return dtype == pagednb::kFloat32 ? 4 : 2; }
 
 // Every pointer (nullptr passes) and byte count a multiple of 16: the fused ops move 16-byte vectors.
@@ -34,9 +46,6 @@ bool aligned16(std::initializer_list<const void*> ptrs, std::initializer_list<in
   for (int64_t b : bytes) all |= static_cast<uint64_t>(b);
   return all % 16 == 0;
 }
-
-// The RMSNorm kernel keeps a row in registers: up to 8 vectors of 16 bytes for each of 512 threads.
-constexpr int64_t kMaxNormRowBytes = 8 * 512 * 16;
 
 int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
@@ -75,7 +84,7 @@ extern "C" {
 // otherwise enough partitions (of >= 256 tokens) for about one full wave.
 int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int range_max, int num_sms,
                      int variant, int* P, int* part_size, int* head_groups) {
-  if (dtype < 0 || dtype > 2 || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;
+  if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;
   const bool mma = pagednb::group_mma_applies(dtype, head_dim, G, variant);
   const int gmax = mma ? G : gmax_for(G);
   *head_groups = (G + gmax - 1) / gmax;
@@ -110,12 +119,12 @@ int pagednb_prefill_attention(int dtype, int head_dim, const AttnParams* p, void
                                     : pagednb::launch_prefill_bf16(head_dim, *p, stream);
 }
 
-// Resident prefill CTAs per SM for (dtype, head_dim, variant): the benchmark reports it.
-int pagednb_prefill_occupancy(int dtype, int head_dim, int variant) {
+// Resident prefill CTAs per SM for (dtype, head_dim): the benchmark reports it.
+int pagednb_prefill_occupancy(int dtype, int head_dim) {
   if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
   if (!supported_head_dim(head_dim)) return -1;
-  return dtype == pagednb::kFloat16 ? pagednb::occupancy_prefill_f16(head_dim, variant)
-                                    : pagednb::occupancy_prefill_bf16(head_dim, variant);
+  return dtype == pagednb::kFloat16 ? pagednb::occupancy_prefill_f16(head_dim)
+                                    : pagednb::occupancy_prefill_bf16(head_dim);
 }
 
 int pagednb_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
@@ -133,7 +142,7 @@ int pagednb_rms_norm(int dtype, void* out, void* residual_out, const void* x, in
   if (!supported_dtype(dtype) || hidden <= 0 || rows < 0) return -1;
   if (residual != nullptr && residual_out == nullptr) return -1;
   const int64_t es = elem_size(dtype);
-  if (hidden * es > kMaxNormRowBytes) return -1;
+  if (hidden * es > pagednb::kMaxNormRowBytes) return -1;
   if (!aligned16({out, residual_out, x, residual, weight}, {x_stride * es, residual_stride * es, hidden * es}))
     return -1;
   pagednb::RmsNormArgs a{out, residual_out, x, residual, weight, x_stride, residual_stride, rows, hidden, eps};
@@ -193,6 +202,17 @@ int pagednb_gemv(int dtype, void* out, int64_t out_stride, const void* x, int64_
   pagednb::GemvArgs a{out, x, weight, bias, x_stride, out_stride, M, N, K};
   return pagednb::launch_gemv(dtype, a, stream);
 }
+
+// ---- the tables of what the kernels take, read by pagednb/kernels/abi.py ------------------------------------
+// torch's name of a dtype code ("bfloat16"); nullptr past the last code.
+const char* pagednb_dtype_name(int code) { return supported_dtype(code) ? kDTypeNames[code] : nullptr; }
+
+// The index-th supported head_dim, ascending; 0 past the last.
+int pagednb_head_dim(int index) { return index >= 0 && index < kNumHeadDims ? pagednb::kHeadDims[index] : 0; }
+
+int64_t pagednb_max_norm_row_bytes() { return pagednb::kMaxNormRowBytes; }
+int pagednb_max_sample_vocab() { return pagednb::kMaxSampleVocab; }
+int pagednb_gemv_max_rows() { return pagednb::kGemvMaxRows; }
 
 int pagednb_params_size() { return (int)sizeof(AttnParams); }
 

@@ -6,8 +6,13 @@
 
 namespace pagednb {
 
-// dtype codes shared with cuda_backend.py
+// dtype codes of the C ABI; Python reads them by name (pagednb_dtype_name in bindings.cpp)
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+constexpr int kNumDTypes = 3;
+
+// The head dims the attention and q/k-norm kernels are instantiated for (the head_dim switches of decode.cuh,
+// prefill.cuh and fused_ops.cu); Python reads them through pagednb_head_dim (bindings.cpp).
+constexpr int kHeadDims[] = {16, 32, 64, 128, 256};
 
 // Attention over the paged cache for a flattened ("varlen") batch. Element strides.
 struct AttnParams {
@@ -32,7 +37,6 @@ struct AttnParams {
   int max_query_len;         // prefill kernel: rows of the longest chunk
   int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
   float scale_log2;          // softmax scale * log2(e)
-  int variant;               // prefill kernel variant (0: default; benchmarks only, see prefill.cuh)
   int row_variant;           // row kernel: 2 = tensor cores for large GQA groups where group_mma_applies, else
                              // as 1 (the default); 1 = cp.async ring (16-bit types); 0 = direct loads
 };
@@ -58,8 +62,8 @@ int occupancy_group_mma_bf16(int head_dim);
 // Tensor-core prefill kernel (prefill_<dtype>.cu):
 int launch_prefill_f16(int head_dim, const AttnParams& p, void* stream);
 int launch_prefill_bf16(int head_dim, const AttnParams& p, void* stream);
-int occupancy_prefill_f16(int head_dim, int variant);  // resident CTAs per SM (benchmarks)
-int occupancy_prefill_bf16(int head_dim, int variant);
+int occupancy_prefill_f16(int head_dim);  // resident CTAs per SM (benchmarks)
+int occupancy_prefill_bf16(int head_dim);
 
 int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
                     void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,
@@ -67,6 +71,9 @@ int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, in
 
 // ---- fused elementwise ops (fused_ops.cu) ----------------------------------------------------------------
 // Element strides; every row start, stride and length is a multiple of 16 bytes.
+
+// The RMSNorm kernel keeps a row in registers: up to 8 vectors of 16 bytes for each of 512 threads.
+constexpr int64_t kMaxNormRowBytes = 8 * 512 * 16;
 struct RmsNormArgs {
   void* out;                 // [rows, hidden], dense
   void* residual_out;        // [rows, hidden], dense: x + residual (unused without a residual)

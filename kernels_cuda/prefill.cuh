@@ -14,11 +14,8 @@
 // Sequences with query_len == 1 are left to the row (decode) kernel.
 #pragma once
 
-#include <type_traits>
-
 #include "common.cuh"
 #include "launchers.h"
-#include "prefill_legacy.cuh"
 
 namespace pagednb {
 
@@ -351,10 +348,9 @@ struct PfPick {
   using Cfg = C_;
 };
 
-// The configuration per head_dim. Head_dim 128 (bf16 only) keeps the benchmark's comparison variant
-// 10: the first kernel (prefill_legacy.cuh). Variants measured and dropped are in benchmarks/NOTES.md.
-template <typename T, typename F>
-int with_prefill_cfg(int head_dim, int variant, F&& f) {
+// The configuration per head_dim. Variants measured and dropped are in benchmarks/NOTES.md.
+template <typename F>
+int with_prefill_cfg(int head_dim, F&& f) {
   switch (head_dim) {
     case 16: return f(PfPick<16, PfCfg<16, 4, 2, 64, true, 2>>{});
     case 32: return f(PfPick<32, PfCfg<32, 4, 2, 64, true, 2>>{});
@@ -368,10 +364,7 @@ int with_prefill_cfg(int head_dim, int variant, F&& f) {
 
 template <typename T>
 int launch_prefill_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    if (head_dim == 128 && p.variant == 10) return launch_prefill_legacy<T, 128, 128>(p, st);
-  }
-  return with_prefill_cfg<T>(head_dim, p.variant, [&](auto pick) {
+  return with_prefill_cfg(head_dim, [&](auto pick) {
     using P = decltype(pick);
     return launch_prefill_cfg<T, P::D, typename P::Cfg>(p, st);
   });
@@ -379,9 +372,8 @@ int launch_prefill_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
 
 // Resident CTAs per SM of the configuration a launch would use (benchmarks report it); <= 0: error.
 template <typename T>
-int occupancy_prefill_dtype(int head_dim, int variant) {
-  if (head_dim == 128 && variant == 10) return 0;  // not reported
-  return with_prefill_cfg<T>(head_dim, variant, [&](auto pick) {
+int occupancy_prefill_dtype(int head_dim) {
+  return with_prefill_cfg(head_dim, [&](auto pick) {
     using P = decltype(pick);
     using C = typename P::Cfg;
     if (configure_prefill<T, P::D, C>() != 0) return -1;

@@ -7,6 +7,6 @@ int launch_prefill_f16(int head_dim, const AttnParams& p, void* stream) {
   return launch_prefill_dtype<__half>(head_dim, p, static_cast<cudaStream_t>(stream));
 }
 
-int occupancy_prefill_f16(int head_dim, int variant) { return occupancy_prefill_dtype<__half>(head_dim, variant); }
+int occupancy_prefill_f16(int head_dim) { return occupancy_prefill_dtype<__half>(head_dim); }
 
 }  // namespace pagednb

@@ -25,16 +25,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pagednb import LLM, SamplingParams
+    from pagednb.chat_template import apply_chat_template, has_chat_template
 
     llm = LLM(args.model)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
     tokenizer = llm.get_tokenizer()
     prompt: str | dict = args.prompt
-    if not args.raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        prompt = {"prompt_token_ids": list(ids["input_ids"] if hasattr(ids, "keys") else ids)}
+    if not args.raw and has_chat_template(tokenizer):
+        prompt = {"prompt_token_ids": apply_chat_template(tokenizer, [{"role": "user", "content": args.prompt}])}
     engine = llm.engine
     request_id = engine.add_request(None, prompt, params)
     start, final = time.perf_counter(), None

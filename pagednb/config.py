@@ -14,7 +14,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # bytes; a CPU has no profiler rule, so
 
 @dataclass
 class EngineConfig:
-    """Every knob of the engine. Built by `LLM`; `resolve()` turns "auto" and None into real values."""
+    """Every knob of the engine, and the one place their defaults live: `LLM(model, **options)` takes
+    these fields as its keyword options. The `resolve_*` methods turn "auto" and None into real values."""
 
     model: str
     dtype: str | torch.dtype = "auto"
@@ -25,17 +26,17 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    kv_cache_memory: int | None = None  # the KV cache budget in bytes on a CPU (None: 2 GiB)
+    gpu_memory_utilization: float = 0.9
     trust_remote_code: bool = False
     revision: str | None = None
     tokenizer: str | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs (every step launches its kernels one by one)
-    max_cuda_graph_batch_size: int = 512
-    async_scheduling: bool | None = None  # None: on for a GPU (host work overlaps the device's), off on a CPU  # decode graphs cover batches up to min(this, max_num_seqs)
+    max_cuda_graph_batch_size: int = 512  # decode graphs cover batches up to min(this, max_num_seqs)
+    async_scheduling: bool | None = None  # None: on for a GPU (host work overlaps the device's), off on a CPU
 
     def validate(self) -> None:
         """Raises ValueError naming the field and its limit; called before anything heavy is loaded."""

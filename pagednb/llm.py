@@ -1,17 +1,20 @@
 """`LLM`: the offline entry point. Batch generation and chat on top of the step-wise engine."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagednb.chat_template import apply_chat_template, check_chat_template
 from pagednb.config import EngineConfig
 from pagednb.engine.driver import EngineDriver
+from pagednb.engine.input_processor import PromptType
 from pagednb.engine.llm_engine import LLMEngine
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
 from pagednb.streams import RequestStream
 
-PromptType = str | Sequence[int] | dict
 # A tiny story-telling Llama trained by tools/train_tiny_model.py, shipped so everything runs offline.
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -19,27 +22,16 @@ DEFAULT_MODEL = Path(__file__).parent / "default_model"
 class LLM:
     """A model with its paged KV cache, ready to generate.
 
-    >>> llm = LLM()  # the embedded tiny model; or LLM("path/or/hub-id")
+    `model`: a local folder or a hub id; None loads the embedded tiny model. The keyword options are
+    the fields of `pagednb.config.EngineConfig`, with its defaults (dtype, device, block_size,
+    max_model_len, max_num_seqs, enable_prefix_caching, ...; `help(LLM)` shows them all).
+
+    >>> llm = LLM()  # the embedded tiny model; or LLM("path/or/hub-id", max_model_len=4096)
     >>> llm.generate("Tell me a story.", SamplingParams(max_tokens=64))[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 block_size: int = 16, max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 num_kv_blocks: int | None = None, scheduling_policy: str = "fcfs", seed: int = 0,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 trust_remote_code: bool = False, revision: str | None = None, tokenizer: str | None = None,
-                 attention_backend: str = "auto", enforce_eager: bool = False,
-                 max_cuda_graph_batch_size: int = 512, async_scheduling: bool | None = None):
-        self.engine = LLMEngine(EngineConfig(
-            model=str(model if model is not None else DEFAULT_MODEL), dtype=dtype, device=device, block_size=block_size, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
-            scheduling_policy=scheduling_policy, seed=seed, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
-            revision=revision, tokenizer=tokenizer, attention_backend=attention_backend,
-            enforce_eager=enforce_eager, max_cuda_graph_batch_size=max_cuda_graph_batch_size,
-            async_scheduling=async_scheduling))
+    def __init__(self, model: str | None = None, **options) -> None:
+        self.engine = LLMEngine(_engine_config(model, options))
         self.driver = EngineDriver(self.engine)
 
     # ---- generation ------------------------------------------------------------------------------
@@ -67,9 +59,8 @@ class LLM:
         """Applies the tokenizer's chat template to one conversation or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        prompts = [{"prompt_token_ids": _chat_token_ids(tokenizer, conv, add_generation_prompt, chat_template_kwargs)}
+        check_chat_template(tokenizer)  # also for an empty list of conversations
+        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt, chat_template_kwargs)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -181,16 +172,34 @@ def _broadcast(name: str, value, n: int) -> list:
     return [value] * n
 
 
-def _chat_token_ids(tokenizer, conversation, add_generation_prompt, kwargs) -> list[int]:
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **(kwargs or {}))
-    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def _progress_bar(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm.auto import tqdm
     return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+
+
+_OPTIONS = [field for field in dataclasses.fields(EngineConfig) if field.name != "model"]
+
+
+def _engine_config(model: str | None, options: dict) -> EngineConfig:
+    """EngineConfig from LLM's arguments; a misspelt option raises TypeError as Python would, listing
+    the accepted ones."""
+    names = [field.name for field in _OPTIONS]
+    unknown = [name for name in options if name not in names]
+    if unknown:
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}; it takes model and "
+                        f"{', '.join(names)} (the fields of pagednb.config.EngineConfig)")
+    return EngineConfig(model=str(model if model is not None else DEFAULT_MODEL), **options)
+
+
+def _signature() -> inspect.Signature:
+    """LLM(model=None, *, <EngineConfig's fields with their defaults>): what help() and a notebook's
+    tooltip show, so the options stay discoverable though `__init__` takes **options."""
+    model = inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation="str | None")
+    return inspect.Signature([model] + [
+        inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type)
+        for field in _OPTIONS])
+
+
+LLM.__signature__ = _signature()

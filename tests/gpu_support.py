@@ -1,7 +1,7 @@
 """What the GPU tests share: the skip marker for machines without a CUDA GPU, and the loaded kernels.
 
 On a CPU (CI) every GPU test is skipped with GPU_REASON. On a GPU the kernels must build: a failed build
-fails the tests that need them (with jit.load_error()'s reason), it never skips them.
+fails the tests that need them (with load_error()'s reason), it never skips them.
 """
 from __future__ import annotations
 
@@ -23,6 +23,6 @@ def built_kernels(get: Callable[[], K | None]) -> K:
         pytest.skip(GPU_REASON)
     found = get()
     if found is None:
-        from pagednb.attention.jit import load_error
+        from pagednb.kernels import load_error
         pytest.fail(f"pagednb's CUDA kernels did not build: {load_error()}")
     return found

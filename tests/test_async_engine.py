@@ -4,7 +4,6 @@ their consumers; close() that ends everything. Each test runs its own loop with 
 import asyncio
 import random
 import threading
-import time
 
 import pytest
 
@@ -208,7 +207,7 @@ def test_close_ends_open_streams_and_stops_the_loop(tiny_model_dir):
     async def main():
         stream = llm.stream("The cat", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         await stream.__anext__()
-        task = llm.driver._task
+        task = llm.driver.background_task
         llm.close()
         rest = [out async for out in stream]
         await asyncio.sleep(0)
@@ -218,12 +217,22 @@ def test_close_ends_open_streams_and_stops_the_loop(tiny_model_dir):
     assert task.done() and llm.engine.closed and llm.engine.runner.kv_caches == []
 
 
+def suspended_on(task: asyncio.Task):
+    """The innermost object the task's coroutine waits on: the same object for as long as the task sleeps,
+    a new one each time it wakes (to poll, or to spin through `sleep(0)`)."""
+    awaited = task.get_coro()
+    while getattr(awaited, "cr_await", None) is not None:
+        awaited = awaited.cr_await
+    return awaited
+
+
 def test_the_loop_sleeps_when_idle(llm):
     async def main():
         await llm.agenerate("The cat", GREEDY)
-        steps = llm.driver.num_steps
-        t0 = time.process_time()
+        await settle(llm)  # the loop task's last turns: it finds nothing queued and goes to sleep
+        task, steps = llm.driver.background_task, llm.driver.num_steps
+        asleep_on = suspended_on(task)
         await asyncio.sleep(0.2)
-        return llm.driver.num_steps - steps, time.process_time() - t0
-    extra_steps, cpu = asyncio.run(main())
-    assert extra_steps == 0 and cpu < 0.1  # no spinning while nothing is queued
+        return llm.driver.num_steps - steps, not task.done() and suspended_on(task) is asleep_on
+    extra_steps, slept_throughout = asyncio.run(main())
+    assert extra_steps == 0 and slept_throughout  # no spinning while nothing is queued: not a single wake-up

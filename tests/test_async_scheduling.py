@@ -49,7 +49,7 @@ def test_penalties_and_min_tokens_turn_the_overlap_off_and_still_match():
         engine = llm.engine
         engine.add_request("r", PROMPTS[0], params)
         engine.step()
-        assert engine._needs_sync()
+        assert engine.needs_sync
     assert run(True, params) == run(False, params)
 
 

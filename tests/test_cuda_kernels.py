@@ -36,7 +36,7 @@ def test_cpu_selection_is_the_reference_and_forcing_cuda_on_cpu_raises():
 def backend(request):
     """The backend with each row-kernel variant (2, the default: tensor cores for 16-bit rows with 4-16
     query heads per kv head at head_dim 64, else as 1; 1: cp.async ring; 0: direct loads)."""
-    from pagednb.attention.jit import load_kernels
+    from pagednb.kernels import load_kernels
     lib = built_kernels(load_kernels)
     from pagednb.attention.cuda_backend import CudaPagedBackend
     backend = CudaPagedBackend(lib)

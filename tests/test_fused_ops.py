@@ -145,7 +145,7 @@ def test_cpu_tensors_never_reach_the_kernel_library(monkeypatch):
     def unreachable():
         raise AssertionError("a CPU op looked up the CUDA kernels")
 
-    monkeypatch.setattr(fused_ops, "_enabled_kernels", unreachable)
+    monkeypatch.setattr(fused_ops.KERNELS, "enabled", unreachable)
     gen = torch.Generator().manual_seed(4)
     x, r, w = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen), torch.randn(64, generator=gen)
     for got, want in zip(fused_ops.rms_norm(x, w, EPS, r), rms_norm_reference(x, w, EPS, r)):
@@ -161,17 +161,17 @@ def test_cpu_tensors_never_reach_the_kernel_library(monkeypatch):
 
 def test_pagednb_fused_ops_0_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("PAGEDNB_FUSED_OPS", "0")
-    fused_ops._enabled_kernels.cache_clear()
+    fused_ops.KERNELS.enabled.cache_clear()
     try:
-        assert fused_ops._enabled_kernels() is None  # and the library is not even looked up
+        assert fused_ops.KERNELS.enabled() is None  # and the library is not even looked up
     finally:
-        fused_ops._enabled_kernels.cache_clear()
+        fused_ops.KERNELS.enabled.cache_clear()
 
 
 # ---- GPU: the kernels against the references -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kernels():
-    return built_kernels(fused_ops.kernels)
+    return built_kernels(fused_ops.KERNELS.get)
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -447,5 +447,5 @@ def test_engine_greedy_outputs_are_the_same_with_and_without_the_fused_ops(tiny_
             return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
     fused = run()
-    monkeypatch.setattr(fused_ops, "_enabled_kernels", lambda: None)
+    monkeypatch.setattr(fused_ops.KERNELS, "enabled", lambda: None)
     assert run() == fused

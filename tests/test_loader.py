@@ -12,9 +12,9 @@ from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from pagednb.attention import TorchReferenceBackend
-from pagednb.model import (SUPPORTED_ARCHITECTURES, ModelNotFoundError, ModelSpec,
-                           UnsupportedArchitectureError, WeightLoadError, load_hf_config,
-                           load_model, load_tokenizer, resolve_model_path)
+from pagednb.model import (SUPPORTED_ARCHITECTURES, ModelNotFoundError, UnsupportedArchitectureError,
+                           WeightLoadError, load_hf_config, load_model, load_tokenizer, model_spec,
+                           resolve_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def model_copy(tiny_llama, tmp_path):
 
 
 def load(path, dtype=torch.float32):
-    return load_model(path, load_hf_config(path), dtype, torch.device("cpu"), TorchReferenceBackend())
+    cfg = load_hf_config(path)
+    return load_model(path, cfg, model_spec(cfg), dtype, torch.device("cpu"), TorchReferenceBackend())
 
 
 def test_local_folder_resolves_to_itself(tiny_llama):
@@ -65,7 +66,7 @@ def test_spec_and_registry_agree_on_what_is_supported(tiny_llama):
     cfg = load_hf_config(tiny_llama)
     for arch in SUPPORTED_ARCHITECTURES:
         cfg.architectures = [arch]
-        assert ModelSpec.from_hf_config(cfg).architecture == arch
+        assert model_spec(cfg).architecture == arch
 
 
 def test_sharded_checkpoint_loads_identically(tiny_llama, tmp_path):

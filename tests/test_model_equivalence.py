@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagednb.attention import AttentionMetadata, TorchReferenceBackend
-from pagednb.model import load_hf_config, load_model
+from pagednb.model import load_hf_config, load_model, model_spec
 from pagednb.model.rotary import rope_inv_freq
 
 ATOL = 1e-4
@@ -63,8 +63,8 @@ def models(request, tmp_path_factory):
     """(pagednb model, HF model) sharing one tiny random checkpoint."""
     arch, overrides = VARIANTS[request.param]
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    ours = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"),
-                      TorchReferenceBackend())
+    cfg = load_hf_config(path)
+    ours = load_model(path, cfg, model_spec(cfg), torch.float32, torch.device("cpu"), TorchReferenceBackend())
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                   attn_implementation="eager").eval()
     return ours, theirs

@@ -22,8 +22,7 @@ from gpu_support import built_kernels, gpu
 from pagednb.engine import sampler as sampler_module
 from pagednb.engine import sampling_kernel
 from pagednb.engine.sampler import Sampler, SamplingMetadata, _uniforms
-from pagednb.engine.sampling_kernel import (MAX_VOCAB, SamplingKernel, sample_with_temperature,
-                                            sample_with_temperature_reference)
+from pagednb.engine.sampling_kernel import SamplingKernel, sample_with_temperature, sample_with_temperature_reference
 from pagednb.sampling_params import SamplingParams
 
 TEMPERATURES = [0.2, 0.6, 1.0, 2.0]
@@ -151,8 +150,12 @@ def test_the_kernel_declines_cpu_tensors():
     assert sample_with_temperature(logits, torch.ones(3), torch.rand(3)) is None
 
 
+MAX_VOCAB = 1 << 20  # the fake library's kMaxSampleVocab (kernels_cuda/launchers.h)
+
+
 class _FakeLib:
-    """Stands in for the CUDA library: the declines happen before any call."""
+    """Stands in for the CUDA library: its tables answer as kernels_cuda/bindings.cpp's do; the declines
+    happen before any kernel call."""
 
     class _Fn:
         def __call__(self, *args):
@@ -160,6 +163,14 @@ class _FakeLib:
 
     def __init__(self) -> None:
         self.pagednb_sample_temperature = self._Fn()
+
+    @staticmethod
+    def pagednb_dtype_name(code: int) -> bytes | None:
+        return (b"float32", b"float16", b"bfloat16", None)[code]
+
+    @staticmethod
+    def pagednb_max_sample_vocab() -> int:
+        return MAX_VOCAB
 
 
 @pytest.mark.parametrize("case", ["f64", "3d", "last_dim_strided", "too_wide", "temperature_f64",
@@ -200,7 +211,7 @@ def test_uniforms_inside_make_the_reference_pick_the_intended_token(vocab):
 # ---- GPU -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kernel():
-    return built_kernels(sampling_kernel.kernel)
+    return built_kernels(sampling_kernel.KERNEL.get)
 
 
 def _draw(kernel, logits, temperature, u):
@@ -417,7 +428,7 @@ def test_sampler_draws_the_same_seeded_tokens_with_or_without_the_kernel(kernel,
         return Sampler()(logits, md).token_ids
 
     with_kernel = run()
-    monkeypatch.setattr(sampling_kernel, "_enabled_kernel", lambda: None)
+    monkeypatch.setattr(sampling_kernel.KERNEL, "enabled", lambda: None)
     without = run()
     # ties to a CDF boundary within float32 rounding are possible in principle; with these seeds, none
     assert torch.equal(with_kernel, without)

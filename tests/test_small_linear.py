@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gpu_support import built_kernels, gpu
 
 from pagednb.model import small_linear
-from pagednb.model.small_linear import GEMV_MAX_ROWS, Linear, gemv_serves, linear
+from pagednb.model.small_linear import Linear, gemv_serves, linear
 
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
 
@@ -45,11 +45,11 @@ def test_every_projection_of_the_decoder_goes_through_small_linear(tiny_model_di
     from transformers import AutoConfig
 
     from pagednb.attention.torch_ref import TorchReferenceBackend
-    from pagednb.model.registry import model_class
+    from pagednb.model.registry import build_model, model_spec
 
     for arch in ("llama", "qwen3"):
         cfg = AutoConfig.from_pretrained(tiny_model_dir(arch))
-        model = model_class(cfg)(cfg, TorchReferenceBackend())
+        model = build_model(model_spec(cfg), cfg, TorchReferenceBackend())
         linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         assert linears, arch
         assert all(isinstance(model.get_submodule(name), Linear) for name in linears), linears
@@ -76,7 +76,7 @@ def _assert_within_one_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Ten
 
 @pytest.fixture(scope="module")
 def kernel():
-    return built_kernels(small_linear.kernel)
+    return built_kernels(small_linear.KERNEL.get)
 
 
 def test_the_kernel_serves_one_row_and_two_rows_of_narrow_weights_only():
@@ -90,7 +90,7 @@ def test_the_kernel_serves_one_row_and_two_rows_of_narrow_weights_only():
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1000, 1032), (37, 64), (3, 8), (151936, 1024)])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_outputs_are_within_one_rounding_of_the_exact_product(kernel, dtype, n, k, bias):
-    for m in range(1, GEMV_MAX_ROWS + 1):
+    for m in range(1, kernel.max_rows + 1):
         x, w, b = _inputs(m, n, k, dtype, seed=m, bias=bias)
         out = kernel.gemv(x, w, b)  # the kernel itself, also for shapes linear() leaves to cuBLAS
         assert out is not None and out.shape == (m, n) and out.dtype == dtype

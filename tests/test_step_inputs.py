@@ -59,7 +59,7 @@ def _sched(*tokens_and_samples) -> SchedulerOutput:
 
 
 def test_only_decode_steps_that_fit_the_largest_bucket_replay_a_graph():
-    graphs = DecodeGraphs(runner=None, sizes=DecodeGraphs.bucket_sizes(40))
+    graphs = DecodeGraphs(sizes=DecodeGraphs.bucket_sizes(40))
     assert graphs.size_for(_sched((1, True))) == 1
     assert graphs.size_for(_sched(*[(1, True)] * 3)) == 4  # padded to the next bucket
     assert graphs.size_for(_sched(*[(1, True)] * 17)) == 32

@@ -1,4 +1,4 @@
-"""Paged attention on pagednb's own CUDA kernels (kernels_cuda/, built by jit.py).
+"""Paged attention on pagednb's own CUDA kernels (kernels_cuda/, built and loaded by pagednb/kernels).
 
 Per step and layer: `write_kv` scatters the new K/V rows into their slots (one kernel; slot -1 is
 skipped); `attend` runs
@@ -15,34 +15,15 @@ Anything the kernels do not cover (another dtype, head_dim or block size) goes t
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 
 import torch
 
 from pagednb.attention.backend import AttentionBackend, AttentionMetadata
-from pagednb.attention.jit import check_status, current_stream, load_error, load_kernels
 from pagednb.attention.torch_ref import TorchReferenceBackend
+from pagednb.kernels import AttnParams, check_status, current_stream, dtype_codes, head_dims, load_error, load_kernels
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-HEAD_DIMS = (16, 32, 64, 128, 256)
 LOG2E = 1.4426950408889634
-
-
-class AttnParams(ctypes.Structure):
-    """Mirror of pagednb::AttnParams (kernels_cuda/launchers.h); the size is checked at load."""
-
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("q_stride_tok", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
-        ("cache", ctypes.c_void_p), ("v_offset", ctypes.c_int64), ("out", ctypes.c_void_p),
-        ("part_o", ctypes.c_void_p), ("part_ml", ctypes.c_void_p), ("qsl", ctypes.c_void_p),
-        ("seq_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
-        ("bt_stride", ctypes.c_int), ("num_seqs", ctypes.c_int), ("num_rows", ctypes.c_int),
-        ("H", ctypes.c_int), ("Hkv", ctypes.c_int), ("G", ctypes.c_int), ("head_groups", ctypes.c_int),
-        ("bs_log2", ctypes.c_int), ("window", ctypes.c_int), ("part_size", ctypes.c_int), ("P", ctypes.c_int),
-        ("decode_only", ctypes.c_int), ("max_query_len", ctypes.c_int), ("max_tiles", ctypes.c_int),
-        ("scale_log2", ctypes.c_float), ("variant", ctypes.c_int), ("row_variant", ctypes.c_int),
-    ]
 
 
 class _StepPlan:
@@ -81,14 +62,13 @@ class CudaPagedBackend(AttentionBackend):
         if lib is None:
             raise RuntimeError(f"pagednb's CUDA kernels are unavailable: {load_error()}")
         if lib.pagednb_params_size() != ctypes.sizeof(AttnParams):
-            raise RuntimeError("kernels_cuda/launchers.h and cuda_backend.AttnParams disagree")
+            raise RuntimeError("kernels_cuda/launchers.h and pagednb/kernels/abi.AttnParams disagree")
         self._lib = lib
+        self._dtype_codes = dtype_codes(lib)
+        self._head_dims = head_dims(lib)
         self._reference = TorchReferenceBackend()
         self._warned: set[str] = set()
         self._num_sms: dict[int, int] = {}
-        # prefill kernel variant (kernels_cuda/prefill.cuh): 0 is the default; others exist for the
-        # benchmark and for testing them (PAGEDNB_PREFILL_VARIANT)
-        self.prefill_variant = int(os.environ.get("PAGEDNB_PREFILL_VARIANT", "0") or 0)
         # decode rows (launchers.h): 2 = tensor cores for large GQA groups, else as 1; 1 = the
         # cp.async-pipelined row kernel (bf16/fp16); 0 = direct loads. 1 and 0 exist for benchmarks and tests.
         self.row_variant = 2
@@ -97,10 +77,10 @@ class CudaPagedBackend(AttentionBackend):
     def unsupported_reason(self, dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device) -> str | None:
         if device.type != "cuda":
             return f"device {device}"
-        if dtype not in DTYPE_CODES:
+        if dtype not in self._dtype_codes:
             return f"dtype {dtype}"
-        if head_dim not in HEAD_DIMS:
-            return f"head_dim {head_dim} (supported: {HEAD_DIMS})"
+        if head_dim not in self._head_dims:
+            return f"head_dim {head_dim} (supported: {self._head_dims})"
         if block_size < 1 or block_size & (block_size - 1):
             return f"block_size {block_size} (a power of two is needed)"
         return None
@@ -166,7 +146,7 @@ class CudaPagedBackend(AttentionBackend):
         if (query.stride(-1) != 1 or query.stride(0) % vec or query.stride(1) % vec or query.data_ptr() % 16):
             query = query.contiguous()
 
-        dtype = DTYPE_CODES[query.dtype]
+        dtype = self._dtype_codes[query.dtype]
         window = int(sliding_window) if sliding_window else 0
         p = AttnParams()
         p.q, p.q_stride_tok, p.q_stride_head = query.data_ptr(), query.stride(0), query.stride(1)
@@ -178,7 +158,6 @@ class CudaPagedBackend(AttentionBackend):
         p.bs_log2 = block_size.bit_length() - 1
         p.window = window
         p.scale_log2 = scale * LOG2E
-        p.variant = self.prefill_variant
         p.row_variant = self.row_variant
         stream = current_stream(query)
 

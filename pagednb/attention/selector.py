@@ -24,7 +24,7 @@ def select_attention_backend(device: torch.device, name: str = "auto") -> Attent
         return TorchReferenceBackend()
     if name == "cuda" and device.type != "cuda":
         raise RuntimeError(f"attention_backend='cuda' needs a CUDA device; the engine runs on {device}")
-    from pagednb.attention.jit import load_error, load_kernels
+    from pagednb.kernels import load_error, load_kernels
 
     lib = load_kernels()  # None (after one warning saying why) when the kernels cannot be built here
     if lib is None:

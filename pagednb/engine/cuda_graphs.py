@@ -3,35 +3,35 @@
 A decode step of a small model is a thousand tiny kernels; launched one by one from Python the GPU
 waits on the host most of the time. Captured in a graph, a step is one launch. A graph fixes every
 address and every launch parameter, so:
-  * its inputs are the step buffers' views for its batch size (model_runner.decode_views), written in
-    place before each replay; a batch is padded up to the next bucket with rows that read one token of
+  * its inputs are the step buffers' views for its batch size, written in place by the model runner
+    before each replay; a batch is padded up to the next bucket with rows that read one token of
     block 0 and write nothing (slot -1);
   * attention is planned for the longest possible sequence (max_model_len): the split-K partitions past
     a sequence's real length find no keys and the reduce ignores them;
   * the graph ends with the LM head, so a replay leaves the logits of every row in one static tensor.
 Graphs share one memory pool, captured largest first, so all buckets together cost about what the
 largest one does. Steps with prefill chunks, or more rows than the largest bucket, run eagerly.
+
+The graphs know nothing of the model runner: it hands `capture` the one thing capturing needs, the
+forward of a padded decode step of each bucket size, and replays them by size.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagednb.attention.backend import AttentionMetadata
-
 if TYPE_CHECKING:
-    from pagednb.engine.model_runner import ModelRunner
     from pagednb.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagednb")
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
-        self.runner = runner
+    def __init__(self, sizes: list[int]) -> None:
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]
         # bucket of every batch size up to the largest: the smallest captured size that holds it
@@ -61,54 +61,36 @@ class DecodeGraphs:
                 return None
         return self._bucket[n]
 
-    def _metadata(self, batch_size: int) -> AttentionMetadata:
-        v = self.runner.decode_views(batch_size)
-        max_len = self.runner.max_model_len
-        return AttentionMetadata(
-            slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
-            block_tables=v.block_tables, max_query_len=1, max_seq_len=max_len,
-            query_start_loc_cpu=list(range(batch_size + 1)), seq_lens_cpu=[max_len] * batch_size)
-
-    def _dummy_inputs(self, batch_size: int) -> None:
-        """Every row a padding row: the capture writes nothing into the cache."""
-        v = self.runner.decode_views(batch_size)
-        self.runner.pad_decode_inputs(v, 0)
-        self.runner.buffers.upload(v)
-
     @torch.inference_mode()
-    def capture(self, progress: bool = True) -> None:
-        runner = self.runner
-        model = runner.model
+    def capture(self, padded_forward: Callable[[int], Callable[[], torch.Tensor]], device: torch.device,
+                progress: bool = True) -> None:
+        """Captures every bucket, largest first. padded_forward(batch_size) makes every row of that
+        bucket's inputs a padding row (so a capture writes nothing into the cache) and returns the
+        forward over those inputs, which returns the logits; making it is host work (buffer writes,
+        attention planning), so it happens before, never inside, a capture."""
         t0 = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(runner.device)[0]
+        free_before = torch.cuda.mem_get_info(device)[0]
         pool = None
         sizes = sorted(self.sizes, reverse=True)
         bar = _progress(len(sizes), progress)
         for batch_size in sizes:
-            self._dummy_inputs(batch_size)
-            v = runner.decode_views(batch_size)
-
-            def forward(metadata: AttentionMetadata) -> torch.Tensor:
-                hidden = model(v.input_ids, v.positions, runner.kv_caches, metadata)
-                return model.compute_logits(hidden)
-
-            forward(self._metadata(batch_size))  # warm-up: library handles, kernel attributes
-            torch.cuda.synchronize(runner.device)
-            # fresh metadata (built before the capture: its views touch host memory): whatever device work
-            # the backend plans per step is then recorded in the graph, never read from tensors of the
-            # warm-up's plan, which are freed after this iteration
-            capture_metadata = self._metadata(batch_size)
+            padded_forward(batch_size)()  # warm-up: library handles, kernel attributes
+            torch.cuda.synchronize(device)
+            # a fresh forward, its attention planned anew: whatever device work the backend plans per step
+            # is then recorded in the graph, never read from tensors of the warm-up's plan, which are
+            # freed by now
+            forward = padded_forward(batch_size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(capture_metadata)
+                logits = forward()
             pool = graph.pool()
             self._graphs[batch_size], self._logits[batch_size] = graph, logits
             if bar is not None:
                 bar.update(1)
-        torch.cuda.synchronize(runner.device)
+        torch.cuda.synchronize(device)
         if bar is not None:
             bar.close()
-        used = free_before - torch.cuda.mem_get_info(runner.device)[0]
+        used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("Captured %d decode CUDA graphs (batch sizes 1-%d) in %.1f s, %.2f GiB",
                     len(self.sizes), self.max_size, time.perf_counter() - t0, used / 2**30)
 

@@ -82,6 +82,12 @@ class EngineDriver:
         self._loop, self._work = loop, asyncio.Event()
         self._task = loop.create_task(self._background(), name="pagednb-engine-loop")
 
+    @property
+    def background_task(self) -> asyncio.Task | None:
+        """The task stepping the engine on its loop (None before the first stream): to check that it is
+        alive, or to see what it waits on in a debugger."""
+        return self._task
+
     async def _background(self) -> None:
         """One step, then a turn for everyone else on the loop; sleeps (no spinning) when idle."""
         while self.dead is None and not self.engine.closed:

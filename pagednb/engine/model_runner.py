@@ -8,7 +8,9 @@ device and the sampled tokens come back in the step's one host synchronisation.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from pagednb.engine.cuda_graphs import DecodeGraphs
 from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
 from pagednb.engine.scheduler import SchedulerOutput
 from pagednb.engine.step_buffers import StepBuffers, StepViews
+from pagednb.request import Request
 
 
 @dataclass
@@ -121,8 +124,8 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_batch_size: int, progress: bool = True) -> None:
         """Captures the decode forward at each bucket size up to max_batch_size (the KV cache must exist)."""
-        self.graphs = DecodeGraphs(self, DecodeGraphs.bucket_sizes(max_batch_size))
-        self.graphs.capture(progress)
+        self.graphs = DecodeGraphs(DecodeGraphs.bucket_sizes(max_batch_size))
+        self.graphs.capture(self._padded_decode_forward, self.device, progress)
 
     def release_requests(self, request_ids: list[str]) -> None:
         """Forgets the rows of requests that left the running set (finished, aborted, preempted)."""
@@ -141,7 +144,7 @@ class ModelRunner:
         self.stager.next_step()
         graph_size = self.graphs.size_for(sched) if self.graphs is not None else None
         if graph_size is not None:
-            views, sampled_reqs = self._fill_decode(sched, graph_size)
+            sampled_reqs = self._fill_decode(sched, graph_size)
             logits = self.graphs.replay(graph_size)[:len(sampled_reqs)]
         else:
             inputs, sampled_reqs = self.prepare_inputs(sched)
@@ -178,12 +181,7 @@ class ModelRunner:
         launched.ready.synchronize()
         return launched.host_token_ids.tolist(), launched.sampler_output
 
-    def _gather_pending(self, input_ids: torch.Tensor, rows: list[int], sources: list[int]) -> None:
-        """input_ids[rows] = the previous launch's sampled tokens[sources], on the device."""
-        token_ids = self._last_sampled[0]
-        input_ids.index_copy_(0, self.stager.tensor(rows, torch.int64),
-                              token_ids.index_select(0, self.stager.tensor(sources, torch.int64)))
-
+    # ---- step inputs ---------------------------------------------------------------------------
     def _update_block_table(self, sched: SchedulerOutput) -> None:
         block_table = self.block_table
         for s in sched.scheduled:
@@ -192,63 +190,102 @@ class ModelRunner:
             elif s.new_block_ids:
                 block_table.append(s.request.request_id, s.new_block_ids)
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list]:
-        """Flattens the step's tokens and gathers positions, slots and block tables (vectorised)."""
+    def _gather_rows(self, sched: SchedulerOutput
+                     ) -> tuple[list[Request], list[int], list[int], list[int], list[int], list[int]]:
+        """The one pass over a step's requests that both kinds of step share: the requests, their
+        tokens flattened, each one's first position and block-table row, and which tokens are still on
+        the device (their index among the tokens, where a placeholder 0 stands, and their index among
+        the previous launch's sampled tokens). Only a one-token row can be pending."""
         self._update_block_table(sched)
-        token_ids: list[int] = []
-        starts, lens, rows, sampled_reqs, sample_mask = [], [], [], [], []
-        pending_rows, pending_sources = [], []
         row_of = self.block_table.row_of
+        last_index = self._last_sampled[1] if self._last_sampled is not None else {}
+        reqs, token_ids, starts, rows, pending_rows, pending_sources = [], [], [], [], [], []
         for s in sched.scheduled:
-            req, start, n = s.request, s.start, s.num_new_tokens
-            if n == 1:
-                if start < len(req.all_token_ids):
-                    token_ids.append(req.all_token_ids[start])
-                else:  # still on the device: a placeholder, overwritten there (_gather_pending)
-                    pending_rows.append(len(token_ids))
-                    pending_sources.append(self._last_sampled[1][req.request_id])
-                    token_ids.append(0)
-            else:
-                token_ids += req.all_token_ids[start:start + n]
+            req, start = s.request, s.start
+            ids = req.all_token_ids
+            reqs.append(req)
             starts.append(start)
-            lens.append(n)
             rows.append(row_of[req.request_id])
-            sample_mask.append(s.samples)
-            if s.samples:
-                sampled_reqs.append(req)
-        starts_np, lens_np = np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
-        qsl = np.zeros(len(lens) + 1, dtype=np.int64)
+            if start >= len(ids):  # sampled by the previous launch, not known here yet
+                pending_rows.append(len(token_ids))
+                pending_sources.append(last_index[req.request_id])
+                token_ids.append(0)
+            elif s.num_new_tokens == 1:
+                token_ids.append(ids[start])
+            else:
+                token_ids += ids[start:start + s.num_new_tokens]
+        return reqs, token_ids, starts, rows, pending_rows, pending_sources
+
+    def _write_rows(self, v: StepViews, token_ids: list[int], positions: np.ndarray, token_rows: np.ndarray,
+                    rows: np.ndarray, seq_lens: np.ndarray, width: int) -> None:
+        """Writes what every step feeds the model into v's leading entries: tokens, their positions and
+        cache slots (token_rows: each token's block-table row), and each sequence's length and table."""
+        table, block_size = self.block_table.table, self.block_size
+        num_tokens, num_seqs = len(positions), len(rows)
+        v.host_input_ids[:num_tokens] = token_ids
+        v.host_positions[:num_tokens] = positions
+        v.host_slots[:num_tokens] = table[token_rows, positions // block_size] * block_size \
+            + positions % block_size
+        v.host_seq_lens[:num_seqs] = seq_lens
+        v.host_block_tables[:num_seqs] = table[rows, :width]
+
+    def _upload(self, v: StepViews, pending_rows: list[int], pending_sources: list[int]) -> None:
+        """Sends the step's inputs to the device, then fills the pending tokens in there (one gather
+        from the previous launch's sampled tokens, no host round trip)."""
+        self.buffers.upload(v)
+        if pending_rows:
+            self._gather_pending(v.input_ids, pending_rows, pending_sources)
+
+    def _gather_pending(self, input_ids: torch.Tensor, rows: list[int], sources: list[int]) -> None:
+        """input_ids[rows] = the previous launch's sampled tokens[sources], on the device."""
+        token_ids = self._last_sampled[0]
+        input_ids.index_copy_(0, self.stager.tensor(rows, torch.int64),
+                              token_ids.index_select(0, self.stager.tensor(sources, torch.int64)))
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Request]]:
+        """A step of any shape (prefill chunks and decode tokens), in buffers sized to it; also the
+        requests that sample, in schedule order."""
+        scheduled = sched.scheduled
+        reqs, token_ids, starts, rows, pending_rows, pending_sources = self._gather_rows(sched)
+        sample_mask = [s.samples for s in scheduled]
+        sampled_reqs = reqs if all(sample_mask) else list(compress(reqs, sample_mask))
+        starts_np = np.array(starts, dtype=np.int64)
+        lens_np = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        qsl = np.zeros(len(lens_np) + 1, dtype=np.int64)
         np.cumsum(lens_np, out=qsl[1:])
         num_tokens = int(qsl[-1])
         seq_lens = starts_np + lens_np
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // self.block_size)
-        v = self.buffers.views(num_tokens, len(lens), width, len(sampled_reqs))
-        v.host_input_ids[:] = token_ids
-        positions = v.host_positions
-        positions[:] = np.repeat(starts_np - qsl[:-1], lens_np) + np.arange(num_tokens)
+        v = self.buffers.views(num_tokens, len(lens_np), width, len(sampled_reqs))
         rows_np = np.array(rows, dtype=np.int64)
-        table = self.block_table.table
-        v.host_slots[:] = table[np.repeat(rows_np, lens_np), positions // self.block_size] * self.block_size \
-            + positions % self.block_size
+        positions = np.repeat(starts_np - qsl[:-1], lens_np) + np.arange(num_tokens)
+        self._write_rows(v, token_ids, positions, np.repeat(rows_np, lens_np), rows_np, seq_lens, width)
         v.host_logits_indices[:] = qsl[1:][np.array(sample_mask, dtype=bool)] - 1
         v.host_query_start_loc[:] = qsl
-        v.host_seq_lens[:] = seq_lens
-        v.host_block_tables[:] = table[rows_np, :width]
-        self.buffers.upload(v)
-        if pending_rows:
-            self._gather_pending(v.input_ids, pending_rows, pending_sources)
+        self._upload(v, pending_rows, pending_sources)
         metadata = AttentionMetadata(
             slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
             block_tables=v.block_tables, max_query_len=int(lens_np.max()), max_seq_len=max_seq_len,
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         return StepInputs(v.input_ids, v.positions, metadata, v.logits_indices), sampled_reqs
 
-    def decode_views(self, batch_size: int) -> StepViews:
+    def _fill_decode(self, sched: SchedulerOutput, batch_size: int) -> list[Request]:
+        """A decode-only step (one token per row, every row sampling) written into the fixed inputs of
+        the graph for batch_size, the rest padded; returns its requests, all of which sample."""
+        reqs, token_ids, starts, rows, pending_rows, pending_sources = self._gather_rows(sched)
+        v = self._decode_views(batch_size)
+        rows_np, positions = np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64)
+        self._write_rows(v, token_ids, positions, rows_np, rows_np, positions + 1, self.max_blocks_per_seq)
+        self._pad_decode_rows(v, len(reqs))
+        self._upload(v, pending_rows, pending_sources)
+        return reqs
+
+    def _decode_views(self, batch_size: int) -> StepViews:
         """Where a decode step of batch_size rows (padded) keeps its inputs; fixed per batch size."""
         return self.buffers.views(batch_size, batch_size, self.max_blocks_per_seq, batch_size)
 
-    def pad_decode_inputs(self, v: StepViews, num_rows: int) -> None:
+    def _pad_decode_rows(self, v: StepViews, num_rows: int) -> None:
         """One sequence per row; rows from num_rows on are padding: one token at position 0 of block 0,
         never written (slot -1), output ignored."""
         v.host_query_start_loc[:] = self._aranges[:len(v.host_query_start_loc)]
@@ -258,37 +295,16 @@ class ModelRunner:
         v.host_seq_lens[num_rows:] = 1
         v.host_block_tables[num_rows:, 0] = 0
 
-    def _fill_decode(self, sched: SchedulerOutput, batch_size: int) -> tuple[StepViews, list]:
-        """Writes a decode-only step into the inputs of the graph for batch_size; pads the rest. Rows
-        whose token is still pending on the device get it there (one gather, no host round trip)."""
-        self._update_block_table(sched)
-        n = len(sched.scheduled)
-        v = self.decode_views(batch_size)
-        row_of = self.block_table.row_of
-        last_index = self._last_sampled[1] if self._last_sampled is not None else {}
-        reqs, rows, starts, tokens, pending_rows, pending_sources = [], [], [], [], [], []
-        for i, s in enumerate(sched.scheduled):
-            req, start = s.request, s.start
-            ids = req.all_token_ids
-            reqs.append(req)
-            rows.append(row_of[req.request_id])
-            starts.append(start)
-            if start < len(ids):
-                tokens.append(ids[start])
-            else:  # a placeholder, overwritten on the device below
-                tokens.append(0)
-                pending_rows.append(i)
-                pending_sources.append(last_index[req.request_id])
-        rows = np.array(rows, dtype=np.int64)
-        positions = np.array(starts, dtype=np.int64)
-        v.host_input_ids[:n] = tokens
-        v.host_positions[:n] = positions
-        table = self.block_table.table
-        v.host_slots[:n] = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        v.host_seq_lens[:n] = positions + 1
-        v.host_block_tables[:n] = table[rows]
-        self.pad_decode_inputs(v, n)
+    def _padded_decode_forward(self, batch_size: int) -> Callable[[], torch.Tensor]:
+        """For capturing the graph of batch_size: every row of its inputs a padding row (uploaded), and
+        the forward over them to the logits, attention planned for the longest sequence (max_model_len)."""
+        v = self._decode_views(batch_size)
+        self._pad_decode_rows(v, 0)
         self.buffers.upload(v)
-        if pending_rows:
-            self._gather_pending(v.input_ids, pending_rows, pending_sources)
-        return v, reqs
+        max_len = self.max_model_len
+        metadata = AttentionMetadata(
+            slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
+            block_tables=v.block_tables, max_query_len=1, max_seq_len=max_len,
+            query_start_loc_cpu=list(range(batch_size + 1)), seq_lens_cpu=[max_len] * batch_size)
+        model, kv_caches = self.model, self.kv_caches
+        return lambda: model.compute_logits(model(v.input_ids, v.positions, kv_caches, metadata))

@@ -1,12 +1,22 @@
-"""From requests that advanced to RequestOutputs: detokenize incrementally, find stop strings."""
+"""From requests that advanced to RequestOutputs: record logprobs, detokenize incrementally, find stop
+strings."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagednb.engine.detokenizer import IncrementalDetokenizer
 from pagednb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagednb.request import Request, RequestStatus
 from pagednb.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from pagednb.engine.sampler import SamplerOutput
+    from pagednb.engine.scheduler import SchedulerOutput
+
+# Ends the requests whose text reached a stop string, each with that string, before their outputs are built.
+StopHandler = Callable[[list[tuple[Request, str]]], None]
 
 
 @dataclass
@@ -25,11 +35,43 @@ class OutputProcessor:
         self._tracked[req.request_id] = _Tracked(
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params))
 
-    def detokenize(self, reqs: list[Request]) -> dict[str, str]:
-        """Feeds new tokens to each request's detokenizer; returns {request_id: stop string} for
-        requests whose text now contains a stop string (the engine then finishes them as stopped,
-        also when the same token reached max_tokens: the stop string wins, as in vLLM)."""
-        stops = {}
+    def process(self, reqs: list[Request], finish_stopped: StopHandler | None = None,
+                error: BaseException | None = None) -> list[RequestOutput]:
+        """The outputs of requests that advanced or ended, their new tokens detokenized.
+
+        A stop string is found here, in the text, but ending its request is the scheduler's business:
+        `finish_stopped` (the engine's) does it before the outputs are built, so they are final. Only
+        running (or just length-capped) requests can stop so: aborted or failed ones need no handler.
+        """
+        stopped = self._detokenize(reqs)
+        if stopped:
+            finish_stopped(stopped)
+        return self._make_outputs(reqs, error)
+
+    def record_logprobs(self, progressed: list[Request], out: SamplerOutput | None, sched: SchedulerOutput) -> None:
+        """Stores the sampled token's logprob (and the top-k) on each request that asked for them."""
+        if out is None or out.logprobs is None:
+            return
+        values = out.logprobs.tolist()
+        top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        row_of = {s.request.request_id: i for i, s in enumerate(s for s in sched.scheduled if s.samples)}
+        for req in progressed:
+            i = row_of[req.request_id]  # its row among the step's sampled rows (dropped tokens leave gaps)
+            k = req.sampling_params.logprobs
+            if k is None:
+                continue
+            entry = {req.output_token_ids[-1]: values[i]}
+            if top_ids is not None:
+                entry.update(zip(top_ids[i][:k], top_vals[i][:k]))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += values[i]
+
+    def _detokenize(self, reqs: list[Request]) -> list[tuple[Request, str]]:
+        """Feeds new tokens to each request's detokenizer; returns (request, stop string) for requests
+        whose text now contains a stop string: they end as stopped, also when the same token reached
+        max_tokens (the stop string wins, as in vLLM)."""
+        stopped = []
         for req in reqs:
             tracked = self._tracked[req.request_id]
             if tracked.detokenizer.defers_until_finished and not req.is_finished:
@@ -38,10 +80,10 @@ class OutputProcessor:
             tracked.num_detokenized = req.num_output_tokens
             stop = tracked.detokenizer.update(new_tokens, finished=req.is_finished)
             if stop is not None and req.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH_CAPPED):
-                stops[req.request_id] = stop
-        return stops
+                stopped.append((req, stop))
+        return stopped
 
-    def make_outputs(self, reqs: list[Request], error: BaseException | None = None) -> list[RequestOutput]:
+    def _make_outputs(self, reqs: list[Request], error: BaseException | None = None) -> list[RequestOutput]:
         outputs = []
         final_only = RequestOutputKind.FINAL_ONLY
         for req in reqs:

@@ -19,14 +19,10 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from pagednb.attention.cuda_backend import DTYPE_CODES
-from pagednb.attention.jit import check_status, current_stream, fused_ops_disabled, load_kernels
-
-MAX_VOCAB = 1 << 20  # kMaxSampleVocab in kernels_cuda/launchers.h (the kernel's chunk table)
+from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes
 
 
 def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
@@ -37,7 +33,7 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, uni
     serve these inputs."""
     if not logits.is_cuda:
         return None
-    kernel = _enabled_kernel()
+    kernel = KERNEL.enabled()
     return None if kernel is None else kernel.sample(logits, temperature, uniforms)
 
 
@@ -56,18 +52,17 @@ class SamplingKernel:
     take and raises RuntimeError when a launch fails."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.pagednb_sample_temperature.argtypes = [i32, vp, i64, vp, i64, vp, i64, vp, i32, i32, vp]
-        lib.pagednb_sample_temperature.restype = i32
         self._lib = lib
+        self._dtype_codes = dtype_codes(lib)
+        self._max_vocab = lib.pagednb_max_sample_vocab()  # the kernel's chunk table (kMaxSampleVocab)
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
                ) -> torch.Tensor | None:
-        code = DTYPE_CODES.get(logits.dtype)
+        code = self._dtype_codes.get(logits.dtype)
         if logits.dim() != 2 or code is None:
             return None
         n, vocab = logits.shape
-        if not 0 < vocab <= MAX_VOCAB or (logits.stride(1) != 1 and vocab > 1) or logits.stride(0) < 0:
+        if not 0 < vocab <= self._max_vocab or (logits.stride(1) != 1 and vocab > 1) or logits.stride(0) < 0:
             return None
         t_stride, u_stride = _per_row_stride(temperature, logits), _per_row_stride(uniforms, logits)
         if t_stride is None or u_stride is None:
@@ -82,18 +77,7 @@ class SamplingKernel:
         return out
 
 
-@functools.cache
-def kernel() -> SamplingKernel | None:
-    """The sampling kernel, or None where pagednb's CUDA library is unavailable (jit.load_error() says
-    why). Built on first use with the other kernels."""
-    lib = load_kernels()
-    return None if lib is None else SamplingKernel(lib)
-
-
-@functools.cache
-def _enabled_kernel() -> SamplingKernel | None:
-    """kernel(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
-    return None if fused_ops_disabled() else kernel()
+KERNEL = LazyKernel(SamplingKernel)  # made on first use; KERNEL.enabled() is None under PAGEDNB_FUSED_OPS=0
 
 
 def _per_row_stride(t: torch.Tensor, logits: torch.Tensor) -> int | None:

@@ -1,8 +1,9 @@
 """pagednb's own Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
-The four architectures differ only in a few switches (projection biases, per-head q/k norm, sliding
-windows), so one implementation serves them all; the subclasses just name the switches. Parameter
-names mirror HF's, except that q/k/v and gate/up are fused (see layers.MergedLinear).
+The architectures differ only in a few switches (projection biases, per-head q/k norm, sliding
+windows), so one implementation serves them all: a DecoderFlavor names the switches, and the registry
+(registry.py) says which flavour each architecture gets. Parameter names mirror HF's, except that
+q/k/v and gate/up are fused (see layers.MergedLinear).
 """
 from __future__ import annotations
 
@@ -27,6 +28,24 @@ class DecoderFlavor:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+def llama_flavor(cfg) -> DecoderFlavor:
+    """Llama/Mistral: biases only where the config asks for them."""
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    return DecoderFlavor(qkv_bias=attention_bias, o_bias=attention_bias,
+                         mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+def qwen2_flavor(cfg) -> DecoderFlavor:
+    """Qwen2: q/k/v biases always, none elsewhere."""
+    return DecoderFlavor(qkv_bias=True)
+
+
+def qwen3_flavor(cfg) -> DecoderFlavor:
+    """Qwen3: q/k norm; attention biases only where the config asks for them."""
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    return DecoderFlavor(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
 
 
 class Attention(nn.Module):
@@ -115,20 +134,14 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Decoder plus LM head. forward returns hidden states; compute_logits only for rows sampled."""
 
-    def __init__(self, hf_config, attn_backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, hf_config, flavor: DecoderFlavor,
+                 attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.spec = spec
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = DecoderModel(self.spec, hf_config, self.flavor(hf_config), attn_backend)
+        self.model = DecoderModel(spec, hf_config, flavor, attn_backend)
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
-
-    @classmethod
-    def flavor(cls, cfg) -> DecoderFlavor:
-        """Llama/Mistral style: biases only where the config asks for them."""
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        return DecoderFlavor(qkv_bias=attention_bias, o_bias=attention_bias,
-                             mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -145,23 +158,3 @@ class CausalLM(nn.Module):
         """Recompute non-checkpoint buffers (the RoPE table) after building on the meta device."""
         self.model.rotary_emb.reset_cache(self.model.embed_tokens.weight.device)
 
-
-class LlamaForCausalLM(CausalLM):
-    pass
-
-
-class MistralForCausalLM(CausalLM):
-    pass
-
-
-class Qwen2ForCausalLM(CausalLM):
-    @classmethod
-    def flavor(cls, cfg) -> DecoderFlavor:
-        return DecoderFlavor(qkv_bias=True)
-
-
-class Qwen3ForCausalLM(CausalLM):
-    @classmethod
-    def flavor(cls, cfg) -> DecoderFlavor:
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        return DecoderFlavor(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)

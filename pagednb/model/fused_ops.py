@@ -5,7 +5,7 @@ small kernels for an RMSNorm with its residual add, about 20 for Qwen3's per-hea
 rotary embedding, and 2 for SiLU(gate) * up. Each op here comes in two forms:
 
   * a reference (`*_reference`): the plain torch code with HF transformers' rounding points. It runs
-    on CPU, where pagednb's CUDA library is unavailable (jit.load_kernels() warns why), for inputs the
+    on CPU, where pagednb's CUDA library is unavailable (load_kernels() warns why), for inputs the
     kernels do not cover (dtype, shape, alignment, autograd), and everywhere under PAGEDNB_FUSED_OPS=0
     (read once per process);
   * a kernel (kernels_cuda/fused_ops.cu) that keeps those rounding points: every elementwise result is
@@ -19,16 +19,12 @@ CUDA graph.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from pagednb.attention.cuda_backend import DTYPE_CODES, HEAD_DIMS
-from pagednb.attention.jit import check_status, current_stream, fused_ops_disabled, load_kernels
+from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes, head_dims
 from pagednb.model.rotary import apply_rotary
-
-MAX_NORM_ROW_BYTES = 8 * 512 * 16  # the RMSNorm kernel holds a row in registers (kernels_cuda/bindings.cpp)
 
 
 # ---- the ops ---------------------------------------------------------------------------------------
@@ -116,22 +112,18 @@ class FusedKernels:
     not cover (the op then runs its reference) and raises RuntimeError when a launch fails."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        lib.pagednb_rms_norm.argtypes = [i32, vp, vp, vp, i64, vp, i64, vp, i32, i32, f32, vp]
-        lib.pagednb_qk_norm_rope.argtypes = [i32, vp, i64, i64, vp, i64, i64, vp, vp, i64, vp, vp,
-                                             i32, i32, i32, i32, f32, vp, i64, i64, vp, i64, vp, vp]
-        lib.pagednb_silu_and_mul.argtypes = [i32, vp, vp, i64, i32, i32, vp]
-        for f in (lib.pagednb_rms_norm, lib.pagednb_qk_norm_rope, lib.pagednb_silu_and_mul):
-            f.restype = i32
         self._lib = lib
+        self._dtype_codes = dtype_codes(lib)
+        self._head_dims = head_dims(lib)
+        self._max_norm_row_bytes = lib.pagednb_max_norm_row_bytes()  # the RMSNorm kernel keeps a row in registers
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        code = DTYPE_CODES.get(x.dtype)
+        code = self._dtype_codes.get(x.dtype)
         hidden, es = x.shape[-1], x.element_size()
         x_stride = _row_stride(x)
-        if (code is None or x_stride is None or x.numel() == 0 or hidden * es > MAX_NORM_ROW_BYTES
+        if (code is None or x_stride is None or x.numel() == 0 or hidden * es > self._max_norm_row_bytes
                 or weight.dtype != x.dtype or weight.shape != (hidden,) or weight.stride(0) != 1
                 or weight.device != x.device):
             return None
@@ -156,11 +148,11 @@ class FusedKernels:
                      cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cache_write: (v, kv_cache, slot_mapping) to write the step's K/V into the cache as well."""
-        code = DTYPE_CODES.get(q.dtype)
+        code = self._dtype_codes.get(q.dtype)
         if code is None or q.dim() != 3 or k.dim() != 3:
             return None
         n, heads, d = q.shape
-        if (d not in HEAD_DIMS or n == 0 or k.shape[0] != n or k.shape[2] != d or k.dtype != q.dtype
+        if (d not in self._head_dims or n == 0 or k.shape[0] != n or k.shape[2] != d or k.dtype != q.dtype
                 or q.stride(2) != 1 or k.stride(2) != 1):
             return None
         for t in (cos, sin):  # [N, 1, D] or [N, D]: one dense row per token
@@ -189,7 +181,7 @@ class FusedKernels:
         return q, k
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        code = DTYPE_CODES.get(gate_up.dtype)
+        code = self._dtype_codes.get(gate_up.dtype)
         stride = _row_stride(gate_up)
         inter = gate_up.shape[-1] // 2
         if code is None or stride is None or gate_up.shape[-1] % 2 or gate_up.numel() == 0:
@@ -206,18 +198,7 @@ class FusedKernels:
         check_status(self._lib, rc, what)
 
 
-@functools.cache
-def kernels() -> FusedKernels | None:
-    """The fused kernels, or None where pagednb's CUDA library is unavailable (jit.load_error() says
-    why). Built on first use, like the attention kernels."""
-    lib = load_kernels()
-    return None if lib is None else FusedKernels(lib)
-
-
-@functools.cache
-def _enabled_kernels() -> FusedKernels | None:
-    """kernels(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
-    return None if fused_ops_disabled() else kernels()
+KERNELS = LazyKernel(FusedKernels)  # made on first use; KERNELS.enabled() is None under PAGEDNB_FUSED_OPS=0
 
 
 def _kernels_for(x: torch.Tensor, *others: torch.Tensor | None) -> FusedKernels | None:
@@ -227,7 +208,7 @@ def _kernels_for(x: torch.Tensor, *others: torch.Tensor | None) -> FusedKernels 
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)):
         return None
-    return _enabled_kernels()
+    return KERNELS.enabled()
 
 
 def _cache_write_args(cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, q: torch.Tensor,

@@ -15,7 +15,8 @@ import torch
 from pagednb.attention.backend import AttentionBackend
 from pagednb.model.decoder import CausalLM
 from pagednb.model.layers import MergedLinear
-from pagednb.model.registry import model_class
+from pagednb.model.registry import build_model
+from pagednb.model.spec import ModelSpec
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -75,12 +76,12 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device,
+def load_model(path: Path, hf_config, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                attn_backend: AttentionBackend) -> CausalLM:
-    """Build the model without initialising weights, then fill every parameter from safetensors."""
-    cls = model_class(hf_config)
+    """Build the model of spec (registry.model_spec) without initialising weights, then fill every
+    parameter from safetensors."""
     with torch.device("meta"):
-        model = cls(hf_config, attn_backend)
+        model = build_model(spec, hf_config, attn_backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
     load_weights(model, safetensors_files(Path(path)))

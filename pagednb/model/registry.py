@@ -1,18 +1,79 @@
-"""Which HF architectures pagednb can run, and the class that runs each."""
+"""The architectures pagednb runs: one table from the HF architecture name to all that differs per
+architecture (mini-sglang's model registry).
+
+Adding an architecture is one decoder flavour (decoder.py) plus one entry in SUPPORTED_ARCHITECTURES;
+nothing else in pagednb names architectures. The engine builds a model's ModelSpec here once
+(model_spec) and hands it to the loader, which builds the decoder here too (build_model).
+"""
 from __future__ import annotations
 
-from pagednb.model.decoder import (CausalLM, LlamaForCausalLM, MistralForCausalLM,
-                                   Qwen2ForCausalLM, Qwen3ForCausalLM)
-from pagednb.model.spec import check_architecture
+from collections.abc import Callable
+from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+from pagednb.attention.backend import AttentionBackend
+from pagednb.model.decoder import CausalLM, DecoderFlavor, llama_flavor, qwen2_flavor, qwen3_flavor
+from pagednb.model.spec import ModelSpec
+
+SlidingWindows = tuple[int | None, ...]  # one per layer; None = full attention
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture is not one pagednb implements."""
+
+
+def no_sliding_windows(cfg) -> SlidingWindows:
+    return (None,) * cfg.num_hidden_layers
+
+
+def mistral_sliding_windows(cfg) -> SlidingWindows:
+    """Mistral applies its sliding_window (when set) to every layer."""
+    return (getattr(cfg, "sliding_window", None),) * cfg.num_hidden_layers
+
+
+def qwen_sliding_windows(cfg) -> SlidingWindows:
+    """Qwen2/3 slide only when use_sliding_window is on, and only in layers typed so."""
+    window = getattr(cfg, "sliding_window", None)
+    if not getattr(cfg, "use_sliding_window", False) or window is None:
+        return no_sliding_windows(cfg)
+    layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What pagednb needs to know about one architecture, each read from the model's HF config."""
+
+    flavor: Callable[[object], DecoderFlavor]  # the decoder's switches
+    sliding_windows: Callable[[object], SlidingWindows]  # which layers attend through a window
+
+
+SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(llama_flavor, no_sliding_windows),
+    "MistralForCausalLM": Architecture(llama_flavor, mistral_sliding_windows),
+    "Qwen2ForCausalLM": Architecture(qwen2_flavor, qwen_sliding_windows),
+    "Qwen3ForCausalLM": Architecture(qwen3_flavor, qwen_sliding_windows),
 }
 
 
-def model_class(hf_config) -> type[CausalLM]:
-    """The class for the config's architecture; UnsupportedArchitectureError if there is none."""
-    return SUPPORTED_ARCHITECTURES[check_architecture(hf_config)]
+def _architecture_name(hf_config) -> str:
+    """The config's architecture, or UnsupportedArchitectureError listing what is supported."""
+    names = getattr(hf_config, "architectures", None) or []
+    name = names[0] if names else None
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"architecture {name!r} is not supported by pagednb; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return name
+
+
+def model_spec(hf_config) -> ModelSpec:
+    """The model's ModelSpec (UnsupportedArchitectureError first if pagednb cannot run it)."""
+    name = _architecture_name(hf_config)
+    return ModelSpec.from_hf_config(hf_config, name, SUPPORTED_ARCHITECTURES[name].sliding_windows(hf_config))
+
+
+def build_model(spec: ModelSpec, hf_config, attn_backend: AttentionBackend) -> CausalLM:
+    """The decoder of spec's architecture, in its flavour (weights as torch initialises them, or none on
+    the meta device)."""
+    flavor = SUPPORTED_ARCHITECTURES[spec.architecture].flavor(hf_config)
+    return CausalLM(spec, hf_config, flavor, attn_backend)

@@ -16,16 +16,13 @@ CUDA-graph bucket; against cuBLAS the result may differ by a rounding of the out
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagednb.attention.cuda_backend import DTYPE_CODES
-from pagednb.attention.jit import check_status, current_stream, fused_ops_disabled, load_kernels
+from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes
 
-GEMV_MAX_ROWS = 2  # kGemvMaxRows in kernels_cuda/launchers.h
 GEMV_TWO_ROWS_MAX_FEATURES = 4096  # two rows: only narrower weights (benchmarks/linear.py)
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -33,7 +30,7 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N], on the GEMV kernel where it applies."""
     if _gemv_applies(x, weight, bias):
-        out = _enabled_kernel().gemv(x, weight, bias)
+        out = KERNEL.enabled().gemv(x, weight, bias)
         if out is not None:
             return out
     return F.linear(x, weight, bias)
@@ -60,17 +57,16 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
-    return _enabled_kernel() is not None
+    return KERNEL.enabled() is not None
 
 
 class GemvKernel:
     """ctypes call into kernels_cuda/gemv.cu; returns None for inputs it does not cover."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.pagednb_gemv.argtypes = [i32, vp, i64, vp, i64, vp, vp, i32, i32, i32, vp]
-        lib.pagednb_gemv.restype = i32
         self._lib = lib
+        self._dtype_codes = dtype_codes(lib)
+        self.max_rows = lib.pagednb_gemv_max_rows()  # the most rows one launch takes (gemv_serves: 1 or 2)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         k = x.shape[-1]
@@ -86,22 +82,11 @@ class GemvKernel:
         if (x2.data_ptr() | weight.data_ptr() | x_stride * x.element_size()) % 16:
             return None
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        rc = self._lib.pagednb_gemv(DTYPE_CODES[x.dtype], out.data_ptr(), n, x2.data_ptr(), x_stride,
+        rc = self._lib.pagednb_gemv(self._dtype_codes[x.dtype], out.data_ptr(), n, x2.data_ptr(), x_stride,
                                     weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                     x2.shape[0], n, k, current_stream(x))
         check_status(self._lib, rc, "gemv")
         return out
 
 
-@functools.cache
-def kernel() -> GemvKernel | None:
-    """The GEMV kernel, or None where pagednb's CUDA library is unavailable (jit.load_error() says why).
-    Built on first use with the other kernels."""
-    lib = load_kernels()
-    return None if lib is None else GemvKernel(lib)
-
-
-@functools.cache
-def _enabled_kernel() -> GemvKernel | None:
-    """kernel(), unless PAGEDNB_FUSED_OPS=0 (read once per process)."""
-    return None if fused_ops_disabled() else kernel()
+KERNEL = LazyKernel(GemvKernel)  # made on first use; KERNEL.enabled() is None under PAGEDNB_FUSED_OPS=0

@@ -14,9 +14,9 @@ import threading
 
 import ipywidgets as widgets
 
+from pagednb.chat_template import apply_chat_template, check_chat_template
 from pagednb.notebook.display import Displayable
 from pagednb.notebook.markdown import escape
-from pagednb.notebook.prompts import chat_prompt_ids
 from pagednb.notebook.stream_view import DEFAULT_MAX_TOKENS, StreamView, _running_loop
 from pagednb.notebook.throttle import BUDGET
 from pagednb.outputs import RequestOutput
@@ -35,9 +35,7 @@ class ChatView(Displayable):
         self._loop_thread = threading.get_ident()
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
-        if getattr(self._tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use pagednb.notebook.stream() with a "
-                             "plain prompt instead")
+        check_chat_template(self._tokenizer)
         self._params = sampling_params
         self.history: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.turn: StreamView | None = None  # the latest assistant turn
@@ -75,7 +73,7 @@ class ChatView(Displayable):
             raise RuntimeError("a reply is still streaming: await it or cancel() it first")
         self.history.append({"role": "user", "content": text})
         try:
-            ids = chat_prompt_ids(self._tokenizer, self.history)
+            ids = apply_chat_template(self._tokenizer, self.history)
             turn = StreamView(self._llm, {"prompt_token_ids": ids}, self._params_for(len(ids)), show_cancel=False,
                               text_css=ASSISTANT_CSS, on_final=self._on_final)
         except Exception:

@@ -78,6 +78,11 @@ class StreamView(Displayable):
     def done(self) -> bool:
         return self._future.done()
 
+    @property
+    def latest(self) -> RequestOutput | None:
+        """The newest output so far (None before the first token): the reply's progress, without awaiting."""
+        return self._latest
+
     def result(self) -> asyncio.Future[RequestOutput]:
         """The final RequestOutput, as a future (raises the engine's error if the request failed)."""
         return self._future

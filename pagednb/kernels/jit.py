@@ -6,9 +6,9 @@ compute capability: sm_90 on an H100/H200) into TORCH_EXTENSIONS_DIR (pagednb se
 The extension name carries a hash of every source and header, so an edited kernel rebuilds. A cold
 build shows a progress line with the elapsed time (notebook or terminal).
 
-The library exposes a small C ABI (kernels_cuda/bindings.cpp) that cuda_backend.py calls through
-ctypes. When there is no CUDA device, no nvcc, or the build fails, `load_kernels()` returns None and
-emits one warning that says why; the engine then runs the pure-torch reference backend.
+The library exposes a small C ABI (kernels_cuda/bindings.cpp); abi.py declares its signatures on the
+library as it loads. When there is no CUDA device, no nvcc, or the build fails, `load_kernels()` returns
+None and emits one warning that says why; the engine then runs the pure-torch reference paths.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from pagednb.kernels.abi import declare
+
 logger = logging.getLogger("pagednb")
 
 SOURCES = ["bindings.cpp", "cache_write.cu", "decode_f32.cu", "decode_f16.cu", "decode_bf16.cu",
@@ -39,7 +41,7 @@ def kernels_dir() -> Path:
     env = os.environ.get("PAGEDNB_KERNELS_DIR")
     if env:
         return Path(env)
-    checkout = Path(__file__).resolve().parents[2] / "kernels_cuda"
+    checkout = Path(__file__).resolve().parents[2] / "kernels_cuda"  # pagednb/kernels/jit.py -> the repo
     return checkout if checkout.is_dir() else Path(__file__).resolve().parents[1] / "_kernels_cuda"
 
 
@@ -126,41 +128,10 @@ def _build_and_load(quiet: bool) -> ctypes.CDLL:
         if progress is not None:
             progress.close()
     lib = ctypes.CDLL(str(path))
-    _declare(lib)
+    declare(lib)
     if cold:
         logger.info("CUDA kernels compiled in %.1f s (cached in %s)", time.perf_counter() - t0, build_dir)
     return lib
-
-
-def check_status(lib: ctypes.CDLL, rc: int, what: str) -> None:
-    """Raises RuntimeError naming the failed call and CUDA's message for a nonzero status."""
-    if rc != 0:
-        raise RuntimeError(f"pagednb CUDA {what} failed: {lib.pagednb_error_string(rc).decode()}")
-
-
-def fused_ops_disabled() -> bool:
-    """PAGEDNB_FUSED_OPS=0: the fused elementwise and sampling kernels stay off (attention is unaffected)."""
-    return os.environ.get("PAGEDNB_FUSED_OPS", "1").strip() == "0"
-
-
-def current_stream(t: torch.Tensor) -> int:
-    """The raw handle of the stream torch would run work on t's device on (capture streams included)."""
-    return torch.cuda.current_stream(t.device).cuda_stream
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    ip = ctypes.POINTER(ctypes.c_int)
-    lib.pagednb_row_plan.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, ip, ip, ip]
-    lib.pagednb_row_attention.argtypes = [i32, i32, vp, vp]
-    lib.pagednb_prefill_attention.argtypes = [i32, i32, vp, vp]
-    lib.pagednb_write_kv.argtypes = [vp, vp, i64, i64, vp, i64, vp, i32, i64, vp]
-    lib.pagednb_params_size.argtypes = []
-    lib.pagednb_error_string.argtypes = [i32]
-    lib.pagednb_error_string.restype = ctypes.c_char_p
-    for f in (lib.pagednb_row_plan, lib.pagednb_row_attention, lib.pagednb_prefill_attention,
-              lib.pagednb_write_kv, lib.pagednb_params_size):
-        f.restype = i32
 
 
 class _Progress:
