@@ -21,8 +21,12 @@
 //      logit. Weights below 2^-41 of their chunk's max count as zero (a share of the chunk under 2^-31,
 //      far below what torch's float32 cumsum resolves).
 // Guards: when rounding leaves no chunk reaching the target, the last chunk with g_c > 0 is taken with
-// the target at its end, i.e. the row's last token of nonzero weight. Rows with NaN or +inf logits, or
-// all -inf, get an in-range token (that guard, or the first token at the row's max): no hang, no error.
+// the target at its end, i.e. the row's last token of nonzero weight. A row with no valid distribution
+// (a NaN or +inf logit, an overflow of l / T, or all -inf) gets -1, the sampler's INVALID_TOKEN_ID, in
+// place of a token: step 1 marks a chunk holding a NaN with s_c = NaN (fmaxf skips NaN, and a chunk of
+// only NaN and -inf would otherwise weigh 0), +inf makes s_c NaN through 2^(inf - inf), so the row's
+// total weight is NaN exactly when some logit is NaN or +inf, and 0 exactly when all are -inf. The
+// engine reads the flag in the copy of the tokens it makes anyway; every other token is in [0, V).
 //
 // Cost per row: one coalesced read of the row (four logits per load when the row start, stride and length
 // allow it, else one), one more read of one chunk (4 KiB), 8 bytes of shared
@@ -117,10 +121,10 @@ __device__ __forceinline__ uint64_t fixed_weight(float y, float mc) {
   return w > 0.f ? __float2ull_rn(fminf(w, 1.f) * kFixedOne) : 0ull;
 }
 
-// Chunk c's weight on the row's scale (0 for a chunk of -inf; NaN stays NaN and is never picked).
+// Chunk c's weight on the row's scale (s_c = 0 for a chunk of -inf; a NaN s_c stays NaN, flagging the row).
 // __fmul_rn: rounded before it is added, the same in both sweeps of step 2.
 __device__ __forceinline__ float chunk_weight(float2 stats, float m) {
-  return stats.x > -INFINITY ? __fmul_rn(stats.y, fast_exp2(stats.x - m)) : 0.f;
+  return stats.x > -INFINITY ? __fmul_rn(stats.y, fast_exp2(stats.x - m)) : stats.y;
 }
 
 // Step 3, one warp: the token of the chunk at `start` (max mc) where the running weight, in token order,
@@ -146,7 +150,7 @@ __device__ __forceinline__ int pick_in_chunk(const L* __restrict__ row, int voca
     mine += part[k];
   }
   const uint64_t total = warp_sum_u64(mine);
-  if (total == 0) {  // no finite weight (NaN or +inf logits, or all -inf): the first token at the max
+  if (total == 0) {  // unreachable for an unflagged row (its chunk max weighs 2^40); kept: the index stays in the chunk
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) first_max = min(first_max, __shfl_xor_sync(0xffffffffu, first_max, o));
     return start + (first_max == 0x7fffffff ? 0 : first_max);
@@ -214,6 +218,12 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
         for (int e = 0; e < VEC; ++e) s += fast_exp2(y[k][e] - mc);
       s = warp_sum(s);
     }
+    bool has_nan = false;
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) has_nan |= y[k][e] != y[k][e];
+    if (__any_sync(0xffffffffu, has_nan)) s = __int_as_float(0x7fc00000);  // quiet NaN: the row is flagged
     if (lane == 0) stats[c] = make_float2(mc, s);
   }
   __syncthreads();
@@ -232,6 +242,10 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
   if (lane == 0) excl = 0.f;
   // the total is the last chunk's running sum exactly as the sweep below forms it (its lane's last)
   const float total = __shfl_sync(0xffffffffu, excl + seg, (nchunks - 1) / per);
+  if (!(total > 0.f)) {  // warp-uniform: NaN (a NaN or +inf logit) or 0 (all -inf): no valid distribution
+    if (lane == 0) out[r] = -1;
+    return;
+  }
   const float u = uniforms[r * u_stride];
   const float target = (1.f - u) * total;
 
@@ -257,24 +271,15 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
     const int src = __ffs(hits) - 1;
     chunk = __shfl_sync(0xffffffffu, hit, src);
     frac = __shfl_sync(0xffffffffu, frac, src);
-  } else {
+  } else {  // rounding: the target lies past every running sum; the last weighted token (total > 0: one has)
     const unsigned any = __ballot_sync(0xffffffffu, last >= 0);
-    if (any != 0u) {  // rounding: the target lies past every running sum; the last weighted token
-      chunk = __shfl_sync(0xffffffffu, last, 31 - __clz(any));
-      frac = 1.0;
-    } else {  // NaN, +inf or all -inf: the chunk holding the max
-      int mine = nchunks;
-      for (int c = lane; c < nchunks; c += 32)
-        if (stats[c].x == m) { mine = c; break; }
-      for (int o = 16; o > 0; o >>= 1) mine = min(mine, __shfl_xor_sync(0xffffffffu, mine, o));
-      chunk = mine < nchunks ? mine : 0;
-      frac = 1.0 - (double)u;
-    }
+    chunk = any != 0u ? __shfl_sync(0xffffffffu, last, 31 - __clz(any)) : 0;
+    frac = 1.0;
   }
 
   // ---- 3. the token inside the chunk ------------------------------------------------------------------------
   const int token = pick_in_chunk<L, VEC>(row, vocab, chunk * CH, scale, stats[chunk].x, frac, lane);
-  if (lane == 0) out[r] = token;
+  if (lane == 0) out[r] = min(max(token, 0), vocab - 1);
 }
 
 template <typename L, int VEC>

@@ -1,14 +1,34 @@
 """Engine configuration: what the user asked for, checked once and resolved into concrete values."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+from pagednb.attention.selector import BACKENDS as ATTENTION_BACKENDS
+from pagednb.validation import as_bool, as_choice, as_float, as_int, as_optional_str
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
            "float": torch.float32}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+# Upper bounds of the sizing options: beyond these a value only allocates absurd memory or takes minutes
+# (block tables, step buffers and logits grow with them before any request arrives).
+LIMITS = {
+    "max_num_seqs": 2**16,
+    "max_num_batched_tokens": 2**20,
+    "max_model_len": 2**24,
+    "num_kv_blocks": 2**31 - 1,
+    "max_cuda_graph_batch_size": 2048,
+    "kv_cache_memory": 2**44,
+}
+LIMIT_REASONS = {
+    "num_kv_blocks": "block ids are int32",
+    "max_cuda_graph_batch_size": "one graph per 16 sequences; capturing more takes minutes",
+    "kv_cache_memory": "bytes, 16 TiB",
+}
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # bytes; a CPU has no profiler rule, so a plain budget
 
 
@@ -39,20 +59,33 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on for a GPU (host work overlaps the device's), off on a CPU
 
     def validate(self) -> None:
-        """Raises ValueError naming the field and its limit; called before anything heavy is loaded."""
-        _check(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _check(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
-        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        _check(self.max_cuda_graph_batch_size >= 1,
-               f"max_cuda_graph_batch_size must be >= 1, got {self.max_cuda_graph_batch_size}")
-        _check(0 < self.gpu_memory_utilization <= 1,
-               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check(self.scheduling_policy in SCHEDULING_POLICIES,
-               f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        """Checks every field's type and range (TypeError / ValueError naming the field and what it
+        accepts) and normalises integral floats to ints; called before anything heavy is loaded. The upper
+        bounds stop values that would allocate absurd memory or take minutes (LIMITS); the model-dependent
+        memory estimate comes later, before the weights are loaded (model/spec.py check_start_up_memory)."""
+        self.model = _path_like("model", self.model, optional=False)
+        self.tokenizer = _path_like("tokenizer", self.tokenizer, optional=True)
+        self.revision = as_optional_str("revision", self.revision)
+        _check_dtype(self.dtype)
+        _check_device(self.device)
+        sizes = f"one of {', '.join(map(str, BLOCK_SIZES))}"
+        self.block_size = as_int("block_size", self.block_size, sizes)
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be {sizes}, got {self.block_size}")
+        for name in ("max_num_seqs", "max_cuda_graph_batch_size"):
+            setattr(self, name, _bounded_int(name, getattr(self, name)))
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _bounded_int(name, getattr(self, name), optional=True))
+        self.seed = as_int("seed", self.seed, f"an int in [0, {2**64 - 1}]", 0, 2**64 - 1)
+        self.gpu_memory_utilization = as_float("gpu_memory_utilization", self.gpu_memory_utilization,
+                                               "in (0, 1]", 0.0, 1.0, low_open=True)
+        as_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        as_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for name in ("enable_prefix_caching", "trust_remote_code", "enforce_eager"):
+            as_bool(name, getattr(self, name))
+        if self.async_scheduling is not None:
+            as_bool("async_scheduling", self.async_scheduling)
 
     def resolve_device(self) -> torch.device:
         if str(self.device) == "auto":
@@ -88,3 +121,44 @@ class EngineConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _bounded_int(name: str, value: object, optional: bool = False) -> int:
+    low, high = 1, LIMITS[name]
+    accepted = f"{'None or ' if optional else ''}an int in [{low}, {high:,}]"
+    if name in LIMIT_REASONS:
+        accepted += f" ({LIMIT_REASONS[name]})"
+    return as_int(name, value, accepted, low, high)
+
+
+def _path_like(name: str, value: object, optional: bool) -> str | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str) or not value:
+        accepted = "a model folder or Hugging Face Hub id (a non-empty str)"
+        raise (ValueError if isinstance(value, str) else TypeError)(
+            f"{name} must be {accepted}{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
+def _check_dtype(dtype: object) -> None:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in set(_DTYPES.values()):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        return
+    as_choice("dtype", dtype, ("auto",) + tuple(sorted(_DTYPES)))
+
+
+def _check_device(device: object) -> None:
+    if str(device) == "auto":
+        return
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (a str or torch.device), got {device!r}")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")

@@ -10,6 +10,7 @@ from pagednb.chat_template import apply_chat_template, check_chat_template
 from pagednb.config import EngineConfig
 from pagednb.engine.driver import EngineDriver
 from pagednb.engine.input_processor import PromptType
+from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.engine.llm_engine import LLMEngine
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
@@ -44,11 +45,12 @@ class LLM:
         interrupt (KeyboardInterrupt) aborts this call's requests and leaves the engine usable.
         """
         prompts = _as_prompt_list(prompts)
-        params = _broadcast("sampling_params", sampling_params or SamplingParams(), len(prompts))
-        priorities = _broadcast("priority", list(priority) if priority is not None else 0, len(prompts))
+        params = _broadcast("sampling_params", sampling_params, len(prompts))
+        priorities = _broadcast("priority", priority if priority is not None else 0, len(prompts))
         requests = []
-        for prompt, p, prio in zip(prompts, params, priorities):
-            p = p.clone()
+        for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities)):
+            p = _checked_params(p, f"sampling_params[{i}]" if isinstance(sampling_params, (list, tuple))
+                                else "sampling_params")
             p.output_kind = RequestOutputKind.FINAL_ONLY  # nobody watches intermediate outputs here
             requests.append(self.engine.make_request(None, prompt, p, prio))
         return self._run_to_completion(requests, use_tqdm)
@@ -56,12 +58,15 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              *, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Applies the tokenizer's chat template to one conversation or a list of them, then generates.
+        A message is {"role": str, "content": str or a list of parts}; a malformed one raises naming its
+        index (messages[i], or messages[c][i] in a batch) before anything is queued."""
+        conversations = _as_conversation_list(messages)
         tokenizer = self.engine.tokenizer
         check_chat_template(tokenizer)  # also for an empty list of conversations
-        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt, chat_template_kwargs)}
-                   for conv in conversations]
+        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conversation, add_generation_prompt,
+                                                            chat_template_kwargs, name)}
+                   for name, conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_to_completion(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
@@ -77,16 +82,19 @@ class LLM:
                     bar.update(1)
 
         ids = [req.request_id for req in requests]
-        try:
-            for req in requests:
-                self.driver.submit(req, collect)
-            self.driver.run_until(lambda: len(finals) == len(ids))
-        except BaseException:  # KeyboardInterrupt included: abort what is ours, keep the engine usable
-            self._abort_unfinished([r for r in ids if r not in finals])
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        # Ctrl-C is held back while requests are submitted and while ours are aborted, and takes effect
+        # between two steps (run_until): it can never leave a request of ours behind.
+        with deferred_interrupts():
+            try:
+                for req in requests:
+                    self.driver.submit(req, collect)
+                self.driver.run_until(lambda: len(finals) == len(ids))
+            except BaseException:  # KeyboardInterrupt included: abort what is ours, keep the engine usable
+                self._abort_unfinished([r for r in ids if r not in finals])
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
         errors = [out.error for out in finals.values() if out.error is not None]
         if errors:
             raise errors[0]
@@ -104,17 +112,19 @@ class LLM:
                request_id: str | None = None, priority: int = 0) -> RequestStream:
         """`async for out in llm.stream(prompt)`: outputs as tokens arrive (`.outputs[0].text` so far,
         `.outputs[0].delta` the new piece). Needs a running event loop (any notebook cell has one); the
-        engine loop then runs as a background task on it, shared by every stream."""
+        engine loop then runs as a background task on it, shared by every stream. Leaving the loop early
+        (`break`, an error, a cancelled task) aborts the request; `async with llm.stream(...) as s:`
+        aborts it whenever the block is left."""
         self.driver.ensure_background_loop()
         req = self.engine.make_request(request_id, prompt, sampling_params, priority)
-        stream = RequestStream(self.driver, req.request_id)
-        self.driver.submit(req, stream.sink)
+        stream = RequestStream(self.driver, req.request_id, owner=self)
+        stream.start(req)
         return stream
 
     async def agenerate(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
                         request_id: str | None = None, priority: int = 0) -> RequestOutput:
         """`await llm.agenerate(prompt)`: the final output, while the loop stays free for other work."""
-        params = (sampling_params or SamplingParams()).clone()
+        params = _checked_params(sampling_params, "sampling_params")
         params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
         async for out in self.stream(prompt, params, request_id=request_id, priority=priority):
@@ -145,8 +155,19 @@ class LLM:
         return self.engine.tokenizer
 
     def close(self) -> None:
-        """Stops the engine loop, aborts every request, and frees the model and KV cache memory."""
+        """Stops the engine loop, aborts every request, and frees the model and KV cache memory (also
+        while other references to this LLM remain, say in a notebook's output history)."""
         self.driver.close()
+
+    def __del__(self) -> None:
+        """`del llm`, or re-running `llm = LLM(...)`, gives the memory back at once (streams keep their
+        LLM alive, so none is running by then)."""
+        driver = getattr(self, "driver", None)  # None when __init__ failed
+        if driver is not None:
+            try:
+                driver.close()
+            except Exception:  # interpreter shutdown: nothing left to give back
+                pass
 
     def __enter__(self) -> "LLM":
         return self
@@ -156,12 +177,36 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
+    """One prompt (text, token ids, a prompt dict) or a list of them, as a list."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a str, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
+                        f"or a list of those, got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _checked_params(params, name: str) -> SamplingParams:
+    """A private, checked copy of the caller's SamplingParams (None: the defaults)."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"{name} must be a SamplingParams (or a list of them, one per prompt) or None, "
+                        f"got {type(params).__name__}")
+    return params.clone()
+
+
+def _as_conversation_list(messages) -> list[tuple[str, list]]:
+    """(name for errors, conversation) for one conversation (a list of message dicts) or a list of them."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"messages must be a list of message dicts (one conversation) or a list of such lists, "
+                        f"got {type(messages).__name__}")
+    if messages and isinstance(messages[0], dict):
+        return [("messages", messages)]
+    return [(f"messages[{i}]", conversation) for i, conversation in enumerate(messages)]
 
 
 def _broadcast(name: str, value, n: int) -> list:
@@ -190,7 +235,7 @@ def _engine_config(model: str | None, options: dict) -> EngineConfig:
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}; it takes model and "
                         f"{', '.join(names)} (the fields of pagednb.config.EngineConfig)")
-    return EngineConfig(model=str(model if model is not None else DEFAULT_MODEL), **options)
+    return EngineConfig(model=model if model is not None else str(DEFAULT_MODEL), **options)
 
 
 def _signature() -> inspect.Signature:

@@ -1,6 +1,7 @@
 """A request as the engine sees it: its tokens, its progress through the cache, and its state."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -8,6 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pagednb.sampling_params import SamplingParams
+
+
+class SamplingError(RuntimeError):
+    """One request's sampling had no valid distribution (NaN or infinite logits, or every token masked).
+    That request alone ends with finish_reason "error"; the engine and every other request go on."""
 
 
 class RequestStatus(enum.IntEnum):
@@ -29,6 +35,10 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
+
+# the parameters that shape a row's logits, named in a SamplingError
+_NUMERIC_SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                      "presence_penalty", "frequency_penalty", "min_tokens"})
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -72,6 +82,7 @@ class Request:
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: BaseException | None = None  # why it ended with FINISHED_ERROR on its own (SamplingError)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -95,6 +106,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
+
+    def sampling_error(self) -> SamplingError:
+        """The error of a request whose next token could not be sampled, naming its unusual parameters."""
+        params = self.sampling_params
+        defaults = type(params)()
+        unusual = ", ".join(f"{f.name}={getattr(params, f.name)!r}" for f in dataclasses.fields(params)
+                            if f.name in _NUMERIC_SAMPLING_FIELDS
+                            and getattr(params, f.name) != getattr(defaults, f.name))
+        return SamplingError(
+            f"request {self.request_id!r}: no token could be sampled at output token {self.num_output_tokens + 1}: "
+            f"its logits became NaN or infinite, or every token was masked (after penalties, temperature and "
+            f"filters; {unusual or 'default sampling parameters'}). This request alone ended with finish_reason "
+            f"'error'; the blocks it computed left the prefix cache.")
 
     def sort_key(self) -> tuple[int, float, int]:
         """Priority order: lower priority value first, then earlier arrival."""

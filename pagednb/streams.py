@@ -2,37 +2,66 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
+from collections.abc import AsyncIterator, Callable
 
 from pagednb.engine.driver import EngineDriver
+from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.outputs import RequestOutput
+from pagednb.request import Request
 
 
 class RequestStream:
     """`async for out in stream` yields the request's outputs until the final one.
 
-    Leaving early — `break`, `aclose()`, or the consuming task being cancelled — aborts the request,
-    so its KV blocks come back at the next step boundary. A request that fails raises its error here.
+    Leaving the loop early — `break`, an exception, the consuming task being cancelled — aborts the
+    request, so its KV blocks come back at the next step boundary. That holds even while the stream is
+    still referenced (`s = llm.stream(...)`; `async for out in s: ... break`): each `async for` reads
+    through an async generator of its own, which Python closes when the loop is left (asyncio runs the
+    close on the loop's next turn). `async with llm.stream(...) as s:` aborts the moment the block is
+    left, whatever happened inside it. A request that fails raises its error here.
     """
 
-    def __init__(self, driver: EngineDriver, request_id: str) -> None:
+    def __init__(self, driver: EngineDriver, request_id: str, owner: object = None) -> None:
         self.request_id = request_id
         self._driver = driver
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
+        self._owner = owner  # what owns the engine (the LLM): kept alive, and so open, while this is
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._done = False
-        self.sink = _queue_sink(self._queue, self._loop, self._loop_thread)
+        self._done = True  # until start(): there is nothing to abort
+        self.sink = _queue_sink(self._queue, asyncio.get_running_loop(), functools.partial(driver.abort, request_id))
 
-    def __aiter__(self) -> RequestStream:
-        return self
+    def start(self, req: Request) -> None:
+        """Submits the request; its outputs then come here. An interrupt while submitting aborts it: the
+        caller never receives the stream, so nobody could read it."""
+        try:
+            with deferred_interrupts():
+                self._driver.submit(req, self.sink)
+                self._done = False
+        except BaseException:
+            self.abort()
+            raise
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                try:
+                    out = await self.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield out
+        finally:  # the loop was left, one way or another (a no-op after the final output)
+            self.abort()
 
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
         try:
             out = await self._queue.get()
-        except BaseException:  # the consuming task was cancelled
+        except BaseException:  # the consuming task was cancelled or interrupted
             self.abort()
             raise
         if out.error is not None:
@@ -40,6 +69,12 @@ class RequestStream:
             raise out.error
         self._done = out.finished
         return out
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.abort()
 
     def abort(self) -> None:
         """Ends the request early (thread-safe); the stream ends too."""
@@ -50,19 +85,30 @@ class RequestStream:
     async def aclose(self) -> None:
         self.abort()
 
-    def __del__(self) -> None:  # a `break` out of `async for` drops the last reference
+    def __del__(self) -> None:  # the last reference dropped while the request still runs
         try:
             self.abort()
         except Exception:  # interpreter shutdown or a closed engine: nothing left to free
             pass
 
 
-def _queue_sink(queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, loop_thread: int):
+def _queue_sink(queue: asyncio.Queue, loop: asyncio.AbstractEventLoop,
+                abort: Callable[[], None]) -> Callable[[RequestOutput], None]:
     """The function the driver calls with each output, on whichever thread steps the engine. It holds
-    the queue, not the stream, so dropping the stream (a `break`) lets it be collected and abort."""
+    the queue, not the stream, so dropping the stream lets it be collected (and abort). Once the
+    consumer's loop is closed nobody can read the stream: the request is aborted."""
+    loop_thread = threading.get_ident()  # streams are made on their loop's thread
+
     def put(out: RequestOutput) -> None:
-        if threading.get_ident() == loop_thread:
+        if loop.is_closed():
+            if not out.finished:
+                abort()
+        elif threading.get_ident() == loop_thread:
             queue.put_nowait(out)
-        elif not loop.is_closed():
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+        else:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the loop closed meanwhile
+                if not out.finished:
+                    abort()
     return put

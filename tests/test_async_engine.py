@@ -2,8 +2,10 @@
 early aborts it; aborts from any thread; synchronous calls inside a running loop; failures that reach
 their consumers; close() that ends everything. Each test runs its own loop with asyncio.run."""
 import asyncio
+import gc
 import random
 import threading
+import weakref
 
 import pytest
 
@@ -236,3 +238,136 @@ def test_the_loop_sleeps_when_idle(llm):
         return llm.driver.num_steps - steps, not task.done() and suspended_on(task) is asleep_on
     extra_steps, slept_throughout = asyncio.run(main())
     assert extra_steps == 0 and slept_throughout  # no spinning while nothing is queued: not a single wake-up
+
+
+def test_breaking_out_of_a_stream_still_referenced_aborts_it(llm):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = llm.stream("The cat", long, request_id="kept")  # still referenced after the loop
+        async for out in stream:
+            if len(out.outputs[0].token_ids) == 2:
+                break
+        await settle(llm)
+        return stream, llm.stats()
+    stream, stats = asyncio.run(main())
+    assert stats["used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    assert llm.driver.consumer_ids() == []
+
+
+def test_async_with_aborts_when_the_block_is_left_whatever_happened(llm):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async with llm.stream("The cat", long) as stream:
+            first = await stream.__anext__()  # read without an iterator: only the block can abort
+        await settle(llm)
+        after_leaving = llm.stats()
+        with pytest.raises(ValueError):
+            async with llm.stream("The dog", long) as failing:
+                await failing.__anext__()
+                raise ValueError("the consumer failed")
+        await settle(llm)
+        rest = [out async for out in stream]  # an aborted stream has nothing more to give
+        return first, after_leaving, llm.stats(), rest
+    first, after_leaving, after_failing, rest = asyncio.run(main())
+    assert not first.finished and rest == []
+    for stats in (after_leaving, after_failing):
+        assert stats["used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+def test_a_failing_consumer_is_aborted_alone(llm):
+    expected = llm.generate("The dog", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main():
+        healthy = llm.stream("The dog", GREEDY)
+        broken = llm.engine.make_request(None, "The cat", SamplingParams(temperature=0, max_tokens=200))
+        llm.driver.submit(broken, lambda out: 1 / 0)  # a consumer that raises on its first output
+        outs = await asyncio.wait_for(collect(healthy), 30)
+        await settle(llm)
+        return outs, llm.stats()
+    outs, stats = asyncio.run(main())
+    assert outs[-1].outputs[0].token_ids == expected
+    assert stats["used_blocks"] == 0 and stats["running"] == 0 and llm.driver.consumer_ids() == []
+
+
+def test_a_stream_whose_loop_closed_is_aborted_by_the_next_step(llm):
+    loop = asyncio.new_event_loop()
+    stream = loop.run_until_complete(_open_stream(llm))
+    loop.run_until_complete(_cancel_all(loop))
+    loop.close()  # the stream's request is still queued; its consumer's loop is gone
+    out = llm.generate("The dog", GREEDY, use_tqdm=False)[0]  # steps on this thread, for everyone
+    assert out.outputs[0].finish_reason == "length"
+    assert llm.stats()["running"] == 0 and llm.stats()["used_blocks"] == 0
+    del stream
+
+
+async def _open_stream(llm):
+    return llm.stream("The cat", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+
+
+async def _cancel_all(loop):
+    tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _memory_refs(llm):
+    runner = llm.engine.runner
+    return [weakref.ref(runner.kv_caches[0]), weakref.ref(next(runner.model.parameters()))]
+
+
+def _stream_on_a_loop_left_open(llm) -> asyncio.AbstractEventLoop:
+    """A stream consumed by a loop that then stops but stays open: the engine's loop task waits on it."""
+    async def consume():
+        async for _ in llm.stream("The cat", GREEDY):
+            pass
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(consume())
+    assert not llm.driver.background_task.done()
+    return loop
+
+
+def test_del_gives_the_memory_back_and_asyncio_logs_nothing(tiny_model_dir, caplog):
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, max_model_len=256)
+    loop = _stream_on_a_loop_left_open(llm)
+    refs = _memory_refs(llm)
+    del llm  # no close(), no gc.collect() here
+    assert [ref() for ref in refs] == [None, None]  # the KV cache and the weights are freed at once
+    loop.close()
+    gc.collect()
+    assert "Task was destroyed but it is pending" not in caplog.text
+
+
+def test_close_of_a_dropped_but_referenced_engine_gives_the_memory_back(tiny_model_dir, caplog):
+    """A re-run cell drops `llm`, but the notebook's output history still holds the LLM."""
+    history = [LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, max_model_len=256)]
+    loop = _stream_on_a_loop_left_open(history[0])
+    refs = _memory_refs(history[0])
+    history[0].close()
+    assert [ref() for ref in refs] == [None, None] and history[0].engine.closed
+    loop.close()
+    gc.collect()
+    assert "Task was destroyed but it is pending" not in caplog.text
+
+
+def test_del_while_the_loop_runs_finishes_the_loop_task(tiny_model_dir, caplog):
+    async def main():
+        llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, max_model_len=256)
+        async for _ in llm.stream("The cat", GREEDY):
+            pass
+        task, refs = llm.driver.background_task, _memory_refs(llm)
+        del llm
+        await asyncio.sleep(0)
+        return task, [ref() for ref in refs]
+    loop = asyncio.new_event_loop()
+    task, alive = loop.run_until_complete(main())
+    assert task.cancelled() and alive == [None, None]
+    loop.close()
+    gc.collect()
+    assert "Task was destroyed but it is pending" not in caplog.text

@@ -112,3 +112,17 @@ def test_integrity_check_catches_a_leak():
     pool.check_integrity({block.block_id: 1})
     with pytest.raises(AssertionError):
         pool.check_integrity({})  # nobody holds it, yet it is not free: a leak
+
+
+def test_forget_drops_blocks_from_the_cache_even_while_held_and_orphans_their_children():
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.allocate(2)
+    cache_chain(pool, blocks, [[1, 2], [3, 4]])
+    pool.touch(blocks[:1])  # another holder of the first block
+    pool.forget(blocks[:1])
+    assert lookup_chain(pool, [[1, 2], [3, 4]]) == []  # neither the block nor its child is reachable
+    assert blocks[0].ref_cnt == 2  # holders keep it
+    pool.free(blocks[::-1])
+    pool.free(blocks[:1])
+    pool.check_integrity({})
+    assert pool.num_free_blocks == 4

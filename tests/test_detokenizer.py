@@ -3,14 +3,18 @@
 Every tokenizer flavour runs every check: a byte-level BPE (GPT-2/Qwen style, splits multi-byte
 characters across tokens), a metaspace "▁" tokenizer with byte fallback (Llama/sentencepiece
 style, strips the first token's space), and "slow" wrappers of both that force the pure-Python
-decoding path.
+decoding path. The checks of prompts that end inside a character also run the embedded model's
+tokenizer and the llama2c one (/work/shared/llama2c), and go through the engine with both models.
 """
+import asyncio
 import string
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pagednb.engine.detokenizer import IncrementalDetokenizer
+from pagednb.llm import DEFAULT_MODEL
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
 from tiny import make_tokenizer
 
@@ -228,3 +232,100 @@ def test_final_only_without_stops_decodes_once_at_the_end(tok, text):
         assert detok.output_text == ""
     detok.update(out[-1:], finished=True)
     assert detok.output_text == detok.take_delta() == stream(tok, prompt, out)[0].output_text
+
+
+# ---- prompts that end inside a multi-byte character -------------------------------------------------
+# Token ids given directly can split a character between the prompt and the output (byte-level BPE
+# splits every non-ASCII character into byte tokens; sentencepiece falls back to bytes). The rule (as
+# in vLLM): the output starts right after the prompt's last whole character; the split character is
+# emitted in the output once its bytes are complete.
+LLAMA2C = Path("/work/shared/llama2c/stories260K_hf")
+SPLIT_TEXT = "I like 🐱 and café, naïve 東京 too."
+
+
+@pytest.fixture(scope="module", params=["bpe", "bpe-slow", "metaspace", "metaspace-slow", "embedded", "llama2c"])
+def any_tok(request, bpe):
+    from transformers import AutoTokenizer
+    name = request.param
+    if name == "embedded":
+        return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    if name == "llama2c":
+        if not LLAMA2C.is_dir():
+            pytest.skip(f"the llama2c tokenizer is not in {LLAMA2C}")
+        return AutoTokenizer.from_pretrained(LLAMA2C)
+    inner = bpe if name.startswith("bpe") else Encoded(metaspace_tokenizer())
+    return SlowTokenizer(inner) if name.endswith("slow") else inner
+
+
+def mid_character_splits(tok, ids):
+    """Every k where ids[:k] ends inside a character."""
+    splits = [k for k in range(1, len(ids)) if tok.decode(ids[:k], skip_special_tokens=True).endswith("\ufffd")]
+    assert splits, "the text has characters split across tokens"
+    return splits
+
+
+def after_prompt(tok, prompt_ids, output_ids):
+    """The rule, computed apart from the detokenizer: the full decode, minus the prompt's whole characters."""
+    head = tok.decode(prompt_ids, skip_special_tokens=True).rstrip("\ufffd")
+    full = tok.decode(prompt_ids + output_ids, skip_special_tokens=True)
+    assert full.startswith(head)
+    return full[len(head):]
+
+
+def final_only(tok, prompt_ids, output_ids):
+    """What `generate` does: FINAL_ONLY, every token handed over at the end."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY))
+    detok.update(output_ids, finished=True)
+    return detok.output_text
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_a_prompt_ending_mid_character_gives_the_character_to_the_output(any_tok, chunk):
+    ids = encode(any_tok, SPLIT_TEXT)
+    text = any_tok.decode(ids, skip_special_tokens=True)
+    for k in mid_character_splits(any_tok, ids):
+        prompt, out = ids[:k], ids[k:]
+        head = any_tok.decode(prompt, skip_special_tokens=True).rstrip("\ufffd")
+        detok, deltas, _ = stream(any_tok, prompt, out, chunk=chunk)
+        assert "".join(deltas) == detok.output_text == final_only(any_tok, prompt, out) == text[len(head):], k
+        assert not any("\ufffd" in d for d in deltas)  # the split character arrives whole, in the output
+
+
+def test_bytes_the_output_never_completes_show_as_one_replacement_at_its_start(any_tok):
+    ids = encode(any_tok, SPLIT_TEXT)
+    other = encode(any_tok, " and more")
+    for k in mid_character_splits(any_tok, ids):
+        prompt = ids[:k]
+        detok, deltas, _ = stream(any_tok, prompt, other)
+        expected = after_prompt(any_tok, prompt, other)
+        assert "".join(deltas) == detok.output_text == final_only(any_tok, prompt, other) == expected, k
+        assert expected.startswith("\ufffd") and expected.rstrip().endswith("and more")
+
+
+@pytest.mark.parametrize("model", ["embedded", "llama2c"])
+def test_streamed_and_generated_text_agree_after_a_mid_character_prompt(model):
+    """Through the engine: the streamed deltas, `generate`'s text and the stream's final output are one
+    text, with no prompt text in it, for every prompt split inside a character."""
+    from pagednb import LLM
+    if model == "llama2c" and not LLAMA2C.is_dir():
+        pytest.skip(f"the llama2c model is not in {LLAMA2C}")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(DEFAULT_MODEL if model == "embedded" else LLAMA2C), num_kv_blocks=64) as llm:
+        tok = llm.get_tokenizer()
+        ids = tok.encode(SPLIT_TEXT)
+        prompts = [ids[:k] for k in mid_character_splits(tok, ids)]
+
+        async def streamed(prompt):
+            deltas, final = [], None
+            async for out in llm.stream({"prompt_token_ids": prompt}, params):
+                deltas.append(out.outputs[0].delta)
+                final = out
+            return "".join(deltas), final
+
+        async def all_streamed():
+            return await asyncio.gather(*(streamed(p) for p in prompts))
+        generated = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, (joined, final), gen in zip(prompts, asyncio.run(all_streamed()), generated):
+            completion = final.outputs[0]
+            assert completion.token_ids == gen.outputs[0].token_ids  # greedy: the same tokens both ways
+            assert joined == completion.text == gen.outputs[0].text == after_prompt(tok, prompt, completion.token_ids)

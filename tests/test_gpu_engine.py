@@ -66,6 +66,42 @@ def test_close_gives_the_model_and_kv_pool_memory_back(tiny_model_dir):
     assert torch.cuda.memory_allocated() - before < 1 * 2**20  # everything given back but crumbs
 
 
+def _streamed_engine_on_an_open_loop(path, blocks: int):
+    """An engine that streamed on a loop which then stopped but stays open (its loop task waits there),
+    with the GPU memory it holds."""
+    import asyncio
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(str(path), num_kv_blocks=blocks)
+    assert torch.cuda.memory_allocated() - before > blocks * llm.engine.runner.block_bytes() * 0.99
+
+    async def consume():
+        async for _ in llm.stream("The cat", GREEDY):
+            pass
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(consume())
+    return llm, loop, before
+
+
+def test_del_gives_the_gpu_memory_back(tiny_model_dir, caplog):
+    llm, loop, before = _streamed_engine_on_an_open_loop(tiny_model_dir("llama"), 4096)
+    del llm  # neither close() nor gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 1 * 2**20
+    loop.close()
+    assert "Task was destroyed but it is pending" not in caplog.text
+
+
+def test_close_of_a_dropped_but_referenced_engine_gives_the_gpu_memory_back(tiny_model_dir):
+    llm, loop, before = _streamed_engine_on_an_open_loop(tiny_model_dir("llama"), 4096)
+    history = {"Out": llm}  # a re-run cell rebinds `llm`; the notebook's output history keeps the old one
+    llm = None
+    history["Out"].close()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 1 * 2**20
+    loop.close()
+
+
 # ---- CUDA graphs for decode steps ----------------------------------------------------------------------
 # Five prompts of different lengths and budgets: the batch starts in the bucket of 8 (three padding rows)
 # and shrinks through the buckets of 4, 2 and 1 as requests finish.
@@ -135,3 +171,31 @@ def test_enforce_eager_and_the_reference_backend_capture_nothing(tiny_model_dir)
         assert llm.engine.runner.graphs is None
     with LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, attention_backend="torch_ref") as llm:
         assert llm.engine.runner.graphs is None and not llm.engine.uses_cuda_graphs
+
+
+def test_a_re_run_engine_reports_its_own_weights_and_names_the_engine_still_alive(tiny_model_dir, caplog):
+    """Re-running `llm = LLM(...)`: the old engine still holds GPU memory while the new one starts. The
+    new one's weights are its own (they were the whole process's allocation), the old one is named."""
+    import math
+
+    from safetensors import safe_open
+
+    from pagednb.engine.live_engines import format_bytes, memory_of
+    first_path, second_path = tiny_model_dir("llama"), tiny_model_dir("qwen3")
+    first = LLM(str(first_path), num_kv_blocks=8192)  # tens of MiB, far more than the second's weights
+    try:
+        with caplog.at_level(logging.INFO, logger="pagednb"):
+            second = LLM(str(second_path), gpu_memory_utilization=0.05, max_num_seqs=8)
+        with second:
+            report = second.engine.pool_plan.gpu_memory
+            with safe_open(str(second_path / "model.safetensors"), "pt") as f:  # counted apart from the engine
+                stored = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+            own = stored * torch.tensor([], dtype=second.engine.dtype).element_size()
+            assert report.weights == pytest.approx(own, rel=0.01)
+            held = memory_of(first.engine).total_bytes
+            assert held > 20 * own and report.other_engines >= held
+            assert f"weights {format_bytes(report.weights)}" in caplog.text
+            assert f"{first_path.name}: {format_bytes(held)}" in caplog.text and "close()" in caplog.text
+    finally:
+        first.close()
+

@@ -232,7 +232,7 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm, prompts, pa
 
 @pytest.mark.parametrize("field, value, message", [
     ("temperature", -0.5, "temperature"), ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"),
-    ("top_k", 0, "top_k"), ("top_k", -2, "top_k"), ("max_tokens", 0, "max_tokens"),
+    ("top_k", -2, "top_k"), ("max_tokens", 0, "max_tokens"),  # top_k=0 means off, as in vLLM
 ])
 def test_bad_sampling_params_raise_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -375,3 +375,59 @@ def test_chat_turns_shrink_max_tokens_to_the_room_left_in_max_model_len():
         assert out.outputs[0].finish_reason in ("stop", "length")
     finally:
         llm.close()
+
+
+# ---- failing soft -----------------------------------------------------------------------------------
+def renderer_failing_after(calls: int):
+    """A Markdown renderer that works `calls` times, then raises: a renderer bug hit mid-stream."""
+    seen = []
+
+    def render(text):
+        seen.append(text)
+        if len(seen) > calls:
+            raise IndexError("renderer bug")
+        return markdown_to_html(text)
+    return render, seen
+
+
+@pytest.mark.parametrize("good_calls", [0, 2])
+def test_a_rendering_error_falls_back_to_plain_text_and_the_view_still_finishes(llm, monkeypatch, caplog, good_calls):
+    render, seen = renderer_failing_after(good_calls)
+    monkeypatch.setattr("pagednb.notebook.stream_view.markdown_to_html", render)
+
+    async def main():
+        view = stream(llm, MESSAGES, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0), display=False)
+        return view, await asyncio.wait_for(view.result(), timeout=120)  # hangs for good if the view died
+    view, out = asyncio.run(main())
+    text = out.outputs[0].text
+    assert len(out.outputs[0].token_ids) == 60 and text
+    assert len(seen) > good_calls, "the failing renderer was really used"
+    assert view.done and view.cancel_button.disabled
+    assert view.text.value == plain_to_html(text)  # the final text landed, as plain escaped text
+    assert view.status.value.endswith("length")
+    failures = [r for r in caplog.records if "rendering the text failed" in r.getMessage()]
+    assert len(failures) == 1  # logged once, not at every render
+
+
+def test_a_chat_reply_whose_rendering_fails_ends_and_the_chat_takes_the_next_message(llm, monkeypatch):
+    render, _ = renderer_failing_after(0)
+    monkeypatch.setattr("pagednb.notebook.stream_view.markdown_to_html", render)
+    params = SamplingParams(max_tokens=20, temperature=0)
+
+    async def main():
+        view = chat(llm, sampling_params=params, display=False)
+        first = await asyncio.wait_for(view.send("Tell me a story about a dog named Max.").result(), timeout=120)
+        idle = (view.busy, view.send_button.disabled, view.cancel_button.disabled)
+        second = await asyncio.wait_for(view.send("And another one.").result(), timeout=120)
+        return view, first, second, idle
+    view, first, second, idle = asyncio.run(main())
+    assert idle == (False, False, True)  # after the first reply: not busy, Send on, Cancel off
+    assert [m["role"] for m in view.history] == ["user", "assistant", "user", "assistant"]
+    assert view.history[1]["content"] == first.outputs[0].text and view.history[3]["content"] == second.outputs[0].text
+    assert view.turn.text.value.endswith(plain_to_html(second.outputs[0].text) + "</div>")
+    assert not view.busy and not view.send_button.disabled and view.cancel_button.disabled
+
+
+def test_an_odd_number_of_backticks_mid_stream_renders():
+    """The renderer's own fuzz tests are in test_markdown.py; this is the case that broke streams."""
+    assert markdown_to_html("Use `pri") == "<p>Use `pri</p>"

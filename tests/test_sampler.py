@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pagednb.engine.sampler import Sampler, SamplingMetadata, apply_penalties
+from pagednb.engine.sampler import INVALID_TOKEN_ID, Sampler, SamplingMetadata, apply_penalties
 from pagednb.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -188,3 +188,66 @@ def test_logprobs_zero_reports_only_the_sampled_token(logits):
     out = sample(logits, [SamplingParams(temperature=0, logprobs=0)] * 6)
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.logprobs.shape == (6,) and out.top_logprobs is None and out.top_token_ids is None
+
+
+# ---- isolation: a row's bad numbers flag that row and nothing else ---------------------------------------
+def bad_logits(logits):
+    """Rows 0-2 with no valid distribution (a NaN, a +inf, all -inf); rows 3-5 as they were."""
+    bad = logits.clone()
+    bad[0, 3] = float("nan")
+    bad[1, 5] = float("inf")
+    bad[2, :] = float("-inf")
+    return bad
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, logprobs=3),
+    SamplingParams(temperature=0.8, seed=None),
+    SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=0.8, repetition_penalty=1.3, logprobs=2),
+], ids=["greedy", "greedy-logprobs", "temperature", "filters", "penalties-logprobs"])
+def test_rows_without_a_valid_distribution_are_flagged_and_the_others_unchanged(logits, params):
+    bad = bad_logits(logits)
+    gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    got = sample(bad, [params] * 6, generator=gen(), outputs=[[2, 3]] * 6, prompts=[[4]] * 6)
+    alone = sample(logits[3:], [params] * 3, generator=gen(), outputs=[[2, 3]] * 3, prompts=[[4]] * 3)
+    assert got.token_ids[:3].tolist() == [INVALID_TOKEN_ID] * 3
+    if params.is_greedy:  # (random rows draw from the shared generator in row order: compare greedy only)
+        assert torch.equal(got.token_ids[3:], alone.token_ids)
+    assert ((got.token_ids[3:] >= 0) & (got.token_ids[3:] < V)).all()
+    if params.logprobs is not None:  # the top-k do not depend on the draw
+        assert torch.equal(got.top_logprobs[3:], alone.top_logprobs)
+        if params.is_greedy:
+            assert torch.equal(got.logprobs[3:], alone.logprobs)
+
+
+def test_a_bad_row_in_a_mixed_batch_leaves_seeded_rows_as_drawn_alone(logits):
+    params = [SamplingParams(temperature=0.7, seed=s) for s in range(6)]
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(6)]  # noqa: E731
+    got = sample(bad_logits(logits), params, generators=gens())
+    clean = sample(logits, params, generators=gens())
+    assert got.token_ids[:3].tolist() == [INVALID_TOKEN_ID] * 3
+    assert torch.equal(got.token_ids[3:], clean.token_ids[3:])
+
+
+def test_a_repetition_penalty_that_overflows_flags_its_row_only(logits):
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.5) for _ in range(2)]
+    params[0].repetition_penalty = 1e-40  # (past the door's check on purpose: the sampler must hold anyway)
+    got = sample(logits[:2].abs() + 1, params, prompts=[[0, 1], [0, 1]], generator=torch.Generator().manual_seed(0))
+    assert got.token_ids[0].item() == INVALID_TOKEN_ID and 0 <= got.token_ids[1].item() < V
+
+
+def test_top_p_that_underflows_keeps_the_top_token(logits):
+    p = SamplingParams(temperature=1.0, top_p=0.5)
+    p.top_p = 1e-300  # 0 in float32 (past the door's check on purpose)
+    got = sample(logits, [p] * 6, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got.token_ids, logits.argmax(-1))
+
+
+def test_counts_past_the_vocabulary_and_stop_ids_outside_it_are_harmless(logits):
+    p = SamplingParams(temperature=1.0, top_k=10**9, logprobs=V, min_tokens=3, stop_token_ids=[10**6, 7])
+    p.logprobs = 10**9  # (past the door's check on purpose)
+    got = sample(logits, [p] * 6, generator=torch.Generator().manual_seed(0), outputs=[[]] * 6)
+    assert got.top_token_ids.shape == (6, V)
+    assert not (got.token_ids == 7).any() and not (got.token_ids == EOS).any()

@@ -9,7 +9,8 @@ On a GPU (the H200 device; skipped elsewhere or when the kernels do not load): t
 the reference's whenever the target lies well inside a token's interval of the CDF (the two differ in
 float rounding only), for V = 37, 1000, 151936 and strided rows; 200k draws follow softmax(l / T);
 -inf logits are never chosen, u = 0 and u -> 1 pick the last and first tokens of nonzero weight,
-NaN/inf rows give in-range tokens; a row's token does not depend on its batch; a CUDA graph replays the
+rows with NaN, +inf or only -inf logits (or an overflow of l / T) are flagged with -1 and change
+nothing for the other rows; a row's token does not depend on its batch; a CUDA graph replays the
 eager result; and the sampler draws the same tokens for seeded rows with or without the kernel.
 """
 from __future__ import annotations
@@ -347,23 +348,52 @@ def test_tiny_temperature_is_argmax(kernel):
     assert torch.equal(got, logits.argmax(-1))
 
 
-@gpu
-def test_rows_with_nan_or_inf_logits_give_in_range_tokens(kernel):
-    vocab = 5000
-    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(14))
+def bad_rows(vocab: int, dtype=torch.float32) -> tuple[torch.Tensor, list[bool]]:
+    """Logits [10, vocab] with rows that have no valid distribution and ordinary rows between them, and
+    which rows are bad. Row 6 hides NaN in a whole chunk of the kernel's (1024 tokens with float4 loads,
+    256 without), next to -inf: the chunk's max skips NaN, so only the explicit NaN check can catch it."""
+    logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(14)).to(dtype)
     logits[0, 100] = float("nan")
     logits[1, :] = float("nan")
     logits[2, :] = float("-inf")
-    logits[3, 4321] = float("inf")
+    logits[3, 4321 % vocab] = float("inf")
     logits[4, ::2] = float("nan")
     logits[5, 0] = float("inf")
     logits[5, 1] = float("nan")
-    u = torch.tensor([0.0, 0.3, 0.5, 0.7, U_BELOW_ONE, 0.2, 0.9, 0.1])
-    got = _draw(kernel, logits.cuda(), torch.ones(8, device="cuda"), u.cuda()).cpu()
-    torch.cuda.synchronize()
-    assert ((got >= 0) & (got < vocab)).all(), got
-    assert got[3].item() == 4321  # a lone +inf is the max: its token
-    assert torch.isfinite(logits[6, got[6]]) and torch.isfinite(logits[7, got[7]])  # ordinary rows
+    logits[6, :2048] = float("-inf")
+    logits[6, 1024:2048:2] = float("nan")
+    return logits, [True] * 7 + [False] * 3
+
+
+def test_the_reference_flags_rows_without_a_valid_distribution():
+    logits, bad = bad_rows(5000)
+    u = torch.rand(10, generator=torch.Generator().manual_seed(1))
+    got = sample_with_temperature_reference(logits, torch.ones(10), u)
+    assert [t == -1 for t in got.tolist()] == bad
+    good = torch.tensor(bad).logical_not()
+    assert torch.equal(got[good], sample_with_temperature_reference(logits[good], torch.ones(3), u[good]))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5000, 5001])  # the float4 and the one-by-one load paths
+def test_rows_without_a_valid_distribution_are_flagged_alone(kernel, dtype, vocab):
+    logits, bad = bad_rows(vocab, dtype)
+    u = torch.rand(10, generator=torch.Generator().manual_seed(2))
+    got = _draw(kernel, logits.cuda(), torch.ones(10, device="cuda"), u.cuda()).cpu()
+    assert [t == -1 for t in got.tolist()] == bad, got
+    good = torch.tensor(bad).logical_not()
+    assert ((got[good] >= 0) & (got[good] < vocab)).all()
+    alone = _draw(kernel, logits[good].cuda(), torch.ones(3, device="cuda"), u[good].cuda()).cpu()
+    assert torch.equal(got[good], alone)  # the bad rows changed nothing for the others
+
+
+@gpu
+def test_an_overflow_of_logits_over_temperature_is_flagged(kernel):
+    logits = torch.randn(2, 1000, device="cuda")
+    logits[0, 7] = 3e38  # finite, but / 1e-3 is +inf
+    got = _draw(kernel, logits, torch.full((2,), 1e-3, device="cuda"), torch.full((2,), 0.5, device="cuda"))
+    assert got.tolist() == [-1, logits[1].argmax().item()]
 
 
 @gpu

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pagednb.engine.block_pool import BlockPool
 from pagednb.engine.kv_cache_manager import KVCacheManager
+from pagednb.engine.sampler import INVALID_TOKEN_ID as INVALID
 from pagednb.engine.scheduler import Scheduler
 from pagednb.request import Request, RequestStatus
 from pagednb.sampling_params import SamplingParams
@@ -191,3 +192,25 @@ def test_blocks_offered_within_a_step_are_withdrawn_when_their_owner_frees_them(
     assert len(kv.allocate_slots(b, 4 * B, kv.find_prefix_hit(b))) == 4  # every block, a's included
     c = make_request(prompt=shared + [9])
     assert kv.find_prefix_hit(c).num_tokens == 0
+
+
+def test_a_flagged_token_ends_its_request_alone_and_forgets_only_the_blocks_it_computed():
+    sched = make_scheduler(budget=64)
+    shared = make_request(prompt_len=9)  # 2 full blocks of 4
+    sched.add_request(shared)
+    for _ in range(2):
+        run_step(sched)
+    bad = make_request(prompt=shared.prompt_token_ids[:8] + [40, 41, 42, 43, 44])  # hits 2 blocks, computes 1
+    good = make_request(prompt_len=6)
+    for req in (bad, good):
+        sched.add_request(req)
+    out = sched.schedule()
+    assert [s.start for s in out.scheduled if s.request is bad] == [8]
+    tokens = [INVALID if s.request is bad else 5 for s in out.scheduled if s.samples]
+    progressed = sched.update_from_output(out, tokens)
+    sched.kv.pool.check_integrity(sched.kv.reference_counts())
+    assert bad in progressed and bad.status == RequestStatus.FINISHED_ERROR and bad.output_token_ids == []
+    assert "output token 1" in str(bad.error) and bad.num_pending_tokens == 0
+    assert good.status == RequestStatus.RUNNING and good.output_token_ids == [5]
+    again = make_request(prompt=bad.prompt_token_ids)
+    assert sched.kv.find_prefix_hit(again).num_tokens == 8  # the shared blocks, not the one it computed

@@ -151,6 +151,13 @@ class BlockPool:
         block.parent, block.parent_epoch = parent, (parent.epoch if parent is not None else -1)
         self._cached.setdefault(block_hash, {})[block.block_id] = block
 
+    def forget(self, blocks: Iterable[KVBlock]) -> None:
+        """Drops blocks from the prefix-cache index at once, whoever holds them: their K/V cannot be trusted
+        (the request that computed them ended with NaN logits). Holders keep using them; no new request can
+        hit them, nor, through the bumped epoch, any block cached after them."""
+        for block in blocks:
+            self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

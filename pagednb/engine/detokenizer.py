@@ -6,7 +6,18 @@ spaces a tokenizer only renders between tokens, and a window that ends on a byte
 character (a lone "\ufffd") is held back until its remaining bytes arrive. Fast tokenizers use
 `tokenizers.decoders.DecodeStream`, which runs the same scheme in Rust.
 
-Invariant: the concatenation of all `take_delta()` results equals the final `output_text`.
+Invariant: the concatenation of all `take_delta()` results equals the final `output_text`, whether
+it was streamed or decoded once at the end (FINAL_ONLY, what `generate` asks for).
+
+A prompt may end inside a multi-byte character (token ids that split an emoji or an accented letter).
+The rule, as in vLLM: the output text starts right after the prompt's last *whole* character, so the
+prompt's trailing bytes are held like an output token that has not completed its character yet. A
+character that the first output tokens complete is emitted in the output; bytes that the output never
+completes show as "\ufffd" at its start, as any incomplete bytes do when a request finishes. Streaming
+and the one decode at the end follow the same rule, so they give the same text. "Whole" is what the
+prompt's decoding shows: a byte-fallback tokenizer decodes a run of byte tokens as one unit, so a
+character sharing its run with the split one is held with it, and a prompt that really ends in a
+U+FFFD character is taken as split.
 """
 from __future__ import annotations
 
@@ -37,6 +48,13 @@ class IncrementalDetokenizer:
         self._ids = context  # context + output ids
         self._prefix = 0  # ids[prefix:read] decode to the text emitted last
         self._read = len(context)
+        # The text that ids[prefix:read] stand for, when it is not their decoding: a prompt that ends
+        # inside a character stands for its whole characters only (see the module docstring).
+        self._read_text: str | None = None
+        if context:
+            decoded = self._decode(context)
+            if decoded.endswith(_INCOMPLETE):
+                self._read_text = decoded.rstrip(_INCOMPLETE)
         self._num_output = 0
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
@@ -47,8 +65,12 @@ class IncrementalDetokenizer:
         # Nobody looks at the text before the end: decode once when the request finishes.
         self._deferred = params.output_kind is RequestOutputKind.FINAL_ONLY and not self._stops
         self._backend = backend
+        self._skip = skip
+        # DecodeStream cannot start on a split character: the window scheme runs until the prompt's
+        # split character is out, then the stream takes over (_decode_new).
+        self._use_stream = backend is not None and not self._deferred
         self._stream = (DecodeStream(ids=context, skip_special_tokens=skip)
-                        if backend is not None and not self._deferred else None)
+                        if self._use_stream and self._read_text is None else None)
         self._text = ""
         self._shown = 0  # chars of _text already returned by take_delta
         self._finished = False
@@ -96,7 +118,11 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, new_token_ids: list[int]) -> str:
         if self._stream is None:
-            return self._decode_window(final=False)
+            window = self._ids[self._prefix:]
+            text = self._decode_window(final=False)
+            if text and self._use_stream:  # the window now decodes to whole characters: hand over
+                self._stream = DecodeStream(ids=window, skip_special_tokens=self._skip)
+            return text
         chunk = self._stream.step(self._backend, new_token_ids)
         if chunk is None:
             return ""
@@ -107,11 +133,15 @@ class IncrementalDetokenizer:
         """Text added by ids[read:]; unless `final`, "" while it may end mid-character."""
         if self._read == len(self._ids):
             return ""
-        old = self._decode(self._ids[self._prefix:self._read])
+        old = self._read_text if self._read_text is not None else self._decode(self._ids[self._prefix:self._read])
         new = self._decode(self._ids[self._prefix:])
         if not final and (len(new) <= len(old) or new.endswith(_INCOMPLETE)):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        if self._read_text is None:
+            self._prefix = self._read
+        else:  # ids[read:] began inside the split character: the next window starts where this one did
+            self._read_text = None
+        self._read = len(self._ids)
         return new[len(old):]
 
     def _find_stop(self, start: int) -> str | None:

@@ -5,6 +5,12 @@ Everything that steps the engine goes through `EngineDriver.step()`, so outputs 
 synchronous `generate` running in a cell steps the engine for everyone, and the outputs of background
 streams land in their queues, to be read when the loop gets its turn back. No event-loop nesting is
 needed: a synchronous call simply runs the steps on its own thread.
+
+Ctrl-C never cuts a step, a submit, an abort or a close in half: they run with interrupts deferred
+(engine/interrupts.py), so one takes effect at the end of the step it arrived in, in whichever code
+was interrupted: a synchronous `generate` aborts its own requests; an interrupt that lands while the
+loop task steps is raised from the loop to whoever runs it, as Python raises it from any code running
+there, and the task goes on serving every stream.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.engine.llm_engine import LLMEngine
 from pagednb.outputs import RequestOutput
 from pagednb.request import Request
@@ -40,37 +47,59 @@ class EngineDriver:
     def submit(self, req: Request, sink: Sink) -> None:
         """Queues a checked request; every output for it goes to `sink` (on the stepping thread)."""
         self._check_alive()
-        with self._step_lock:
+        with deferred_interrupts(), self._step_lock:  # the sink and the request are added together
             self._sinks[req.request_id] = sink
-            self.engine.enqueue(req)
-        self._wake()
+            try:
+                self.engine.enqueue(req)
+            except BaseException:
+                del self._sinks[req.request_id]
+                raise
+            self._wake()
 
     def abort(self, request_id: str | list[str]) -> None:
         """Thread-safe. The request ends with finish_reason "abort" at the next step boundary."""
-        self.engine.abort_request(request_id)
-        self._wake()
+        with deferred_interrupts():
+            self.engine.abort_request(request_id)
+            self._wake()
+
+    def consumer_ids(self) -> list[str]:
+        """The requests whose outputs still go to a consumer (empty once every request ended)."""
+        return list(self._sinks)
 
     # ---- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step; each output goes to its request's sink. Returns the outputs."""
         self._check_alive()
-        with self._step_lock:
+        with deferred_interrupts(), self._step_lock:
             try:
                 outputs = self.engine.step()
             except Exception as error:  # outside the model: the engine's own state may be broken
                 self._die(error)
                 raise
             self.num_steps += 1
-            for out in outputs:
-                sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-                if sink is not None:
-                    sink(out)
+            self._hand_off(outputs)
         return outputs
 
+    def _hand_off(self, outputs: list[RequestOutput]) -> None:
+        sinks = self._sinks
+        for out in outputs:
+            sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
+            if sink is None:
+                continue
+            try:
+                sink(out)
+            except Exception:  # one broken consumer must not keep the others' outputs from them
+                logger.exception("The consumer of request %r failed; the request is aborted", out.request_id)
+                sinks.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
+
     def run_until(self, done: Callable[[], bool]) -> None:
-        """Steps on the caller's thread until done() (no event loop, so no nesting, is needed)."""
-        while not done():
-            self.step()
+        """Steps on the caller's thread until done() (no event loop, so no nesting, is needed). An
+        interrupt takes effect between two steps."""
+        with deferred_interrupts() as interrupts:
+            while not done():
+                self.step()
+                interrupts.deliver_pending()
 
     # ---- the background task ---------------------------------------------------------------------
     def ensure_background_loop(self) -> None:
@@ -89,6 +118,17 @@ class EngineDriver:
         return self._task
 
     async def _background(self) -> None:
+        """Serves until the engine closes or dies. An interrupt that lands in this task (Python raises
+        it in whatever code runs) is re-raised from the loop, to the loop's runner, as a callback's
+        would be; the task itself carries on, so no stream is left without a stepper."""
+        while True:
+            try:
+                await self._serve()
+                return
+            except KeyboardInterrupt as interrupt:
+                self._loop.call_soon(_raise, interrupt)
+
+    async def _serve(self) -> None:
         """One step, then a turn for everyone else on the loop; sleeps (no spinning) when idle."""
         while self.dead is None and not self.engine.closed:
             if not self.engine.has_unfinished_requests():
@@ -96,17 +136,24 @@ class EngineDriver:
                 if not self.engine.has_unfinished_requests():  # re-check: a submit may have raced the clear
                     await self._work.wait()
                 continue
-            if not self._step_lock.acquire(blocking=False):  # another thread is stepping for us
-                await asyncio.sleep(0.001)
-                continue
+            try:
+                stepped = self._step_unless_busy()
+            except Exception:
+                if not self.engine.closed:  # (closed by another thread meanwhile: nothing went wrong)
+                    logger.exception("The engine loop stopped")
+                return
+            await asyncio.sleep(0 if stepped else 0.001)  # busy: another thread is stepping for us
+
+    def _step_unless_busy(self) -> bool:
+        """Steps unless another thread is stepping (the loop's thread must not block on it)."""
+        with deferred_interrupts():  # no interrupt between taking the lock and releasing it
+            if not self._step_lock.acquire(blocking=False):
+                return False
             try:
                 self.step()
-            except Exception:
-                logger.exception("The engine loop stopped")
-                return
             finally:
                 self._step_lock.release()
-            await asyncio.sleep(0)
+        return True
 
     def _wake(self) -> None:
         """Wakes the idle loop task; safe from any thread (widget callbacks may run on another)."""
@@ -125,7 +172,10 @@ class EngineDriver:
         self.dead = error
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
-            sink(RequestOutput(request_id, None, [], [], finished=True, error=error))
+            try:
+                sink(RequestOutput(request_id, None, [], [], finished=True, error=error))
+            except Exception:
+                logger.exception("The consumer of request %r failed", request_id)
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -134,16 +184,44 @@ class EngineDriver:
             raise RuntimeError("the engine is closed")
 
     def close(self) -> None:
-        """Ends every request (finish_reason "abort", delivered to its consumer), stops the loop, and
-        gives the model and the KV cache memory back."""
-        if self.engine.closed:
-            return
-        if self.dead is None:
-            self.abort(list(self.engine.scheduler.requests))
-            while self.engine.has_unfinished_requests():
-                self.step()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-        self._wake()
-        self.engine.close()
+        """Ends every request (finish_reason "abort", delivered to its consumer), stops the loop task,
+        and gives the model and the KV cache memory back."""
+        with deferred_interrupts(), self._step_lock:
+            if self.engine.closed:
+                return
+            try:
+                if self.dead is None:
+                    self.abort(list(self.engine.scheduler.requests))
+                    while self.engine.has_unfinished_requests():
+                        self.step()
+            finally:
+                self._stop_task()
+                self.engine.close()
 
+    def _stop_task(self) -> None:
+        """Cancels the loop task, so that it finishes instead of being destroyed pending (asyncio logs
+        "Task was destroyed but it is pending" for that) when the engine is dropped."""
+        task, loop = self._task, self._loop
+        if task is None or task.done():
+            return
+        if loop.is_closed() or not loop.is_running():
+            # It can never run again (or only if someone runs this loop again): it ends with the
+            # loop, having nothing to clean up, so its destruction is not worth a warning.
+            task._log_destroy_pending = False
+        if loop.is_closed():
+            return
+        if _running_loop() is loop:
+            task.cancel()
+        else:
+            loop.call_soon_threadsafe(task.cancel)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _raise(error: BaseException) -> None:
+    raise error

@@ -2,7 +2,8 @@
 
 Everything a request needs before it can be queued happens here, apart from the step loop:
 tokenizing, prompt checks (length, vocabulary), truncation, max_tokens, a unique id, its own seeded
-generator. A bad input raises ValueError before anything is queued, so a batch can be checked whole.
+generator. A bad input raises TypeError (wrong type) or ValueError (out of range), naming the field,
+before anything is queued, so a batch can be checked whole.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from pagednb.request import Request
 from pagednb.sampling_params import SamplingParams
+from pagednb.validation import INT64_MAX, as_int
 
 PromptType = str | Sequence[int] | dict
 
@@ -27,23 +29,24 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.device = device  # where per-request seeded generators live (the sampler's device)
         self._is_request_id_in_use = is_request_id_in_use
-        self._request_ids = itertools.count()  # automatic request ids: "0", "1", "2", ...
+        self._request_ids = itertools.count()  # automatic request ids: "0", "1", "2", ... (skipping ids in use)
         self._arrival_indices = itertools.count()  # breaks arrival-time ties in the scheduler's order
 
     def make_request(self, request_id: str | None, prompt: PromptType, sampling_params: SamplingParams | None = None,
                      priority: int = 0) -> Request:
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        """A checked Request; a bad argument raises TypeError or ValueError naming it, and nothing changes."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {request_id!r} ({type(request_id).__name__})")
+        params = self._check_params(sampling_params)
+        priority = as_int("priority", priority, "an int", -INT64_MAX - 1, INT64_MAX)
         text, token_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         self._check_prompt(token_ids)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        if self._is_request_id_in_use(request_id):
+        if request_id is None:
+            request_id = self._automatic_request_id()
+        elif self._is_request_id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         generator = None
         if params.seed is not None:
@@ -52,17 +55,56 @@ class InputProcessor:
                        arrival_index=next(self._arrival_indices), eos_token_ids=self.eos_token_ids,
                        generator=generator)
 
+    def _automatic_request_id(self) -> str:
+        """The next counter value that no request in flight uses: a user may have taken "7" already."""
+        while True:
+            request_id = str(next(self._request_ids))
+            if not self._is_request_id_in_use(request_id):
+                return request_id
+
+    def _check_params(self, sampling_params: SamplingParams | None) -> SamplingParams:
+        """The request's own checked copy: a field the caller set after construction is checked too, and
+        later changes to the caller's object cannot reach the running request. Then the limits that
+        need the model's vocabulary."""
+        if sampling_params is None:
+            return SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams or None, got "
+                            f"{type(sampling_params).__name__}")
+        params = sampling_params.clone()
+        vocab = self.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
+        for i, token_id in enumerate(params.stop_token_ids):
+            if token_id >= vocab:
+                raise ValueError(f"stop_token_ids[{i}] = {token_id} is outside the vocabulary [0, {vocab})")
+        return params
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _as_token_list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            return self._tokenize_dict(prompt)
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer(prompt).input_ids)
-        return None, _as_token_list(prompt)
+        if isinstance(prompt, (list, tuple, torch.Tensor, np.ndarray)):
+            return None, _as_token_list("prompt", prompt)
+        raise TypeError(f"prompt must be a str, a list of token ids, or a dict with 'prompt' or "
+                        f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _tokenize_dict(self, prompt: dict) -> tuple[str | None, list[int]]:
+        unknown = sorted(map(repr, prompt.keys() - _PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"a prompt dict takes the keys 'prompt' and 'prompt_token_ids', got {', '.join(unknown)}")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple, torch.Tensor, np.ndarray)):
+                raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+            return text, _as_token_list("prompt_token_ids", ids)
+        if text is None:
+            raise ValueError("a prompt dict needs 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
+        return text, list(self.tokenizer(text).input_ids)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -87,18 +129,29 @@ class InputProcessor:
         return params.max_tokens
 
 
-def _as_token_list(token_ids) -> list[int]:
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.tolist()
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+
+
+def _as_token_list(field: str, token_ids) -> list[int]:
+    """Plain Python ints (numpy and torch ints converted); bools, floats, strings and nested lists are
+    refused. The type test is one C-level pass (set of types), as prompts of thousands of tokens arrive
+    by the hundred; the range is checked against the vocabulary afterwards."""
+    if isinstance(token_ids, (torch.Tensor, np.ndarray)):
+        is_int = (token_ids.dtype.kind in "iu" if isinstance(token_ids, np.ndarray)
+                  else not (token_ids.dtype.is_floating_point or token_ids.dtype.is_complex
+                            or token_ids.dtype == torch.bool))
+        if token_ids.ndim != 1 or not is_int:
+            raise TypeError(f"{field} must be a flat list of ints, got a {token_ids.ndim}-d "
+                            f"{type(token_ids).__name__} of {token_ids.dtype}")
+        return token_ids.tolist()
     ids = list(token_ids)
-    if ids:  # checked in one C loop: floats, bools, strings, nested lists and huge ints are refused
-        try:
-            array = np.asarray(ids)
-        except (ValueError, TypeError):
-            array = None
-        if array is None or array.ndim != 1 or array.dtype.kind not in "iu":
-            raise ValueError("prompt_token_ids must be a list of ints")
-    return ids
+    types = set(map(type, ids))
+    if types <= {int}:
+        return ids
+    if all(issubclass(t, np.integer) or t is int for t in types):
+        return [int(t) for t in ids]
+    i, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int and not isinstance(t, np.integer))
+    raise TypeError(f"{field} must be a list of ints, got {type(bad).__name__} {bad!r:.60} at index {i}")
 
 
 def find_eos_token_ids(tokenizer, hf_config, model_path) -> frozenset[int]:

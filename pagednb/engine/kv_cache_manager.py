@@ -16,6 +16,7 @@ class _RequestBlocks:
     blocks: list[KVBlock | None] = field(default_factory=list)  # None: released (left the window)
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks, in order
     num_cached: int = 0  # leading full blocks already registered in the prefix cache
+    num_hit: int = 0  # leading blocks from the prefix hit at admission: computed by others
 
 
 @dataclass
@@ -92,7 +93,7 @@ class KVCacheManager:
         new_blocks = hit_blocks + self.pool.allocate(max(num_new_blocks, 0))
         state.blocks.extend(new_blocks)
         if hit_blocks:
-            state.num_cached = len(hit_blocks)
+            state.num_cached = state.num_hit = len(hit_blocks)
         if self.caching:
             self._share_this_step(req, state, min(total_tokens, req.num_tokens) // self.block_size)
         return [block.block_id for block in new_blocks]
@@ -136,6 +137,22 @@ class KVCacheManager:
             self.pool.free(block for block in reversed(state.blocks) if block is not None)
             if self._this_step:  # (a preemption while scheduling) its blocks may go to anyone now
                 self._this_step.clear()
+
+    def free_and_forget(self, req: Request) -> None:
+        """Frees the request's blocks like free(), but first drops from the prefix cache every block it
+        computed itself: its logits went NaN (or its sampling failed otherwise), so the K/V it wrote may be
+        garbage, and a later request must not reuse it (vLLM does the same).
+
+        "Computed itself" means every block past its prefix hit at its latest admission. The hit blocks
+        were computed by the requests they came from and stay cached: they are not this request's to
+        judge. Its own blocks leave the index even when another request holds them too (a hit on them, in
+        this step or since): that request keeps them, but nobody new can hit them or anything cached after
+        them. (Blocks it computed before a preemption and then hit on again count as hit blocks.)
+        """
+        state = self._reqs.get(req.request_id)
+        if state is not None and self.caching:
+            self.pool.forget(block for block in state.blocks[state.num_hit:] if block is not None)
+        self.free(req)
 
     def block_ids(self, request_id: str) -> list[int]:
         state = self._reqs.get(request_id)

@@ -3,6 +3,10 @@
 On a GPU (vLLM's rule): gpu_memory_utilization x total memory, minus the weights, minus the peak
 activations of a profiling forward pass at max_num_batched_tokens, minus memory others hold, divided by
 the bytes of one block. On a CPU there is nothing to profile against, so a plain byte budget is used.
+
+"Weights" are this engine's own parameter bytes. What else this process already holds on the device
+(typically an engine of an earlier run of the same notebook cell) is reported apart, naming the other
+live pagednb engines (engine/live_engines.py), so the user knows what to close().
 """
 from __future__ import annotations
 
@@ -12,10 +16,32 @@ from dataclasses import dataclass
 import torch
 
 from pagednb.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagednb.engine import live_engines
+from pagednb.engine.live_engines import format_bytes
 from pagednb.engine.model_runner import ModelRunner
 
 logger = logging.getLogger("pagednb")
 GiB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """The device memory at start-up, in bytes, as the start-up report gives it."""
+    total: int
+    weights: int  # this engine's own parameters
+    activations: int  # peak of the profiling pass
+    other_engines: int  # other live pagednb engines of this process (weights and KV caches)
+    other_tensors: int  # the rest this process holds (user tensors, this engine's small buffers)
+    other_processes: int
+    available: int  # left for the KV cache
+
+    def report(self) -> str:
+        return (f"GPU memory: {self.total / GiB:.2f} GiB total, weights {format_bytes(self.weights)}, "
+                f"peak activations {format_bytes(self.activations)}, "
+                f"other pagednb engines {format_bytes(self.other_engines)}, "
+                f"other tensors of this process {format_bytes(self.other_tensors)}, "
+                f"other processes {format_bytes(self.other_processes)}, "
+                f"{format_bytes(self.available)} left for the KV cache")
 
 
 @dataclass
@@ -25,6 +51,7 @@ class PoolPlan:
     max_model_len: int
     blocks_per_max_request: int
     source: str
+    gpu_memory: GpuMemory | None = None  # the profile the size came from (GPU sizing only)
 
     @property
     def num_tokens(self) -> int:
@@ -41,20 +68,26 @@ def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, 
     needed = blocks_for_one_request(max_model_len, block_size, runner.spec.sliding_window, max_num_batched_tokens)
     # More blocks than max_num_seqs full-length requests can ever use would only cost memory.
     useful = max_num_seqs * needed
+    gpu_memory = None
     if config.num_kv_blocks is not None:
         num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
     elif runner.device.type == "cuda":
-        num_blocks = min(_blocks_from_gpu_profile(config, runner, max_model_len, max_num_batched_tokens), useful)
+        gpu_memory = _profile_gpu_memory(config, runner, max_model_len, max_num_batched_tokens)
+        logger.info("%s", gpu_memory.report())
+        num_blocks = min(gpu_memory.available // runner.block_bytes(), useful)
         source = f"gpu_memory_utilization={config.gpu_memory_utilization}"
     else:
         budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         num_blocks = min(budget // runner.block_bytes(), useful)
         source = f"kv_cache_memory={budget / GiB:.2f} GiB"
-    plan = PoolPlan(int(num_blocks), block_size, max_model_len, needed, source)
-    _refuse_if_too_small(plan, runner)
-    logger.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB, from %s); max concurrency %.2fx at "
+    plan = PoolPlan(int(num_blocks), block_size, max_model_len, needed, source, gpu_memory)
+    others = live_engines.describe(live_engines.on_device(runner.device))
+    _refuse_if_too_small(plan, runner, others)
+    logger.info("KV cache: %d tokens (%d blocks of %d, %s, from %s); max concurrency %.2fx at "
                 "max_model_len=%d", plan.num_tokens, plan.num_blocks, block_size,
-                plan.num_blocks * runner.block_bytes() / GiB, source, plan.max_concurrency, max_model_len)
+                format_bytes(plan.num_blocks * runner.block_bytes()), source, plan.max_concurrency, max_model_len)
+    if others:
+        logger.info("Note: %s", others)
     return plan
 
 
@@ -67,32 +100,37 @@ def blocks_for_one_request(max_model_len: int, block_size: int, sliding_window: 
     return -(-tokens // block_size) + (1 if sliding_window is not None else 0)
 
 
-def _blocks_from_gpu_profile(config: EngineConfig, runner: ModelRunner, max_model_len: int,
-                             max_num_batched_tokens: int) -> int:
+def _profile_gpu_memory(config: EngineConfig, runner: ModelRunner, max_model_len: int,
+                        max_num_batched_tokens: int) -> GpuMemory:
     torch.cuda.synchronize(runner.device)
     torch.cuda.empty_cache()
-    weights = torch.cuda.memory_allocated(runner.device)
+    # Everything this process holds on the device now: this engine's weights, and whatever earlier
+    # engines and user tensors hold. Weights are counted on the tensors, never as this difference.
+    baseline = torch.cuda.memory_allocated(runner.device)
+    weights = live_engines.parameter_bytes(runner.model)
+    other_engines = sum(e.total_bytes for e in live_engines.on_device(runner.device))
     torch.cuda.reset_peak_memory_stats(runner.device)
     scratch = runner.profile_run(max_num_batched_tokens, max_model_len)
     torch.cuda.synchronize(runner.device)
-    activations = torch.cuda.max_memory_allocated(runner.device) - weights - scratch
+    activations = max(torch.cuda.max_memory_allocated(runner.device) - baseline - scratch, 0)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
-    held_by_others = total - free - torch.cuda.memory_reserved(runner.device)
-    available = config.gpu_memory_utilization * total - weights - activations - held_by_others
-    logger.info("GPU memory: %.2f GiB total, weights %.2f GiB, peak activations %.2f GiB, others %.2f GiB, "
-                "%.2f GiB left for the KV cache", total / GiB, weights / GiB, activations / GiB,
-                held_by_others / GiB, max(available, 0) / GiB)
-    return max(int(available // runner.block_bytes()), 0)
+    other_processes = max(total - free - torch.cuda.memory_reserved(runner.device), 0)
+    available = config.gpu_memory_utilization * total - baseline - activations - other_processes
+    return GpuMemory(total, weights, activations, other_engines, max(baseline - weights - other_engines, 0),
+                     other_processes, max(int(available), 0))
 
 
-def _refuse_if_too_small(plan: PoolPlan, runner: ModelRunner) -> None:
+def _refuse_if_too_small(plan: PoolPlan, runner: ModelRunner, others: str = "") -> None:
+    """`others`: the other live engines' description (live_engines.describe), "" when there are none."""
     if plan.num_blocks >= plan.blocks_per_max_request:
         return
     largest = plan.num_blocks * plan.block_size
+    close_others = f" Or free memory: {others}." if others else ""
     raise ValueError(
         f"The KV cache has room for {plan.num_tokens} tokens ({plan.num_blocks} blocks of {plan.block_size}, "
         f"from {plan.source}, {runner.block_bytes()} bytes per block), but one request of "
         f"max_model_len={plan.max_model_len} needs {plan.blocks_per_max_request} blocks. Lower max_model_len "
         f"(at most {largest} fits), or give the cache more memory: raise gpu_memory_utilization (GPU), "
-        f"kv_cache_memory (CPU) or num_kv_blocks, or lower max_num_batched_tokens to shrink the activations.")
+        f"kv_cache_memory (CPU) or num_kv_blocks, or lower max_num_batched_tokens to shrink the activations."
+        + close_others)

@@ -20,14 +20,17 @@ import torch
 
 from pagednb.attention.selector import select_attention_backend
 from pagednb.config import EngineConfig
+from pagednb.engine import live_engines
 from pagednb.engine.block_pool import BlockPool
 from pagednb.engine.input_processor import InputProcessor, PromptType, find_eos_token_ids
+from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.engine.kv_cache_manager import KVCacheManager
 from pagednb.engine.kv_cache_sizing import plan_kv_pool
 from pagednb.engine.model_runner import ModelRunner
 from pagednb.engine.output_processor import OutputProcessor
 from pagednb.engine.scheduler import Scheduler
 from pagednb.model import load_hf_config, load_model, load_tokenizer, model_spec, resolve_model_path
+from pagednb.model.spec import check_start_up_memory
 from pagednb.outputs import RequestOutput
 from pagednb.request import Request, RequestStatus
 from pagednb.sampling_params import SamplingParams
@@ -47,6 +50,8 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(self.device)
         self.max_model_len = config.resolve_max_model_len(self.spec.max_position_embeddings)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device)
+        check_start_up_memory(self.spec, config, self.dtype, self.device, self.max_model_len,
+                              self.max_num_batched_tokens)  # before any allocation: a clear error, not an OOM
         self.eos_token_ids = find_eos_token_ids(self.tokenizer, hf_config, self.model_path)
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -61,6 +66,8 @@ class LLMEngine:
         self.pool_plan = plan_kv_pool(config, self.runner, self.max_model_len, self.max_num_batched_tokens,
                                       config.max_num_seqs)
         self.runner.allocate_kv_cache(self.pool_plan.num_blocks)
+        live_engines.register(self, config.model, self.device, live_engines.parameter_bytes(model),
+                              live_engines.tensor_bytes(self.runner.kv_caches))  # named by later engines' reports
         self.uses_cuda_graphs = self._capture_cuda_graphs()
         caching = config.enable_prefix_caching and self.spec.sliding_window is None
         if config.enable_prefix_caching and not caching:
@@ -76,7 +83,7 @@ class LLMEngine:
         self._in_flight: collections.deque = collections.deque()  # launched steps not yet finished
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
-        self._abort_lock = threading.Lock()
+        self._abort_lock = threading.RLock()  # reentrant: a stream collected mid-swap aborts from its __del__
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # prompt and recomputed tokens included: all the model processed
@@ -144,22 +151,25 @@ class LLMEngine:
         GPU, the host schedules and launches N+1 (its decode inputs read from N's sampled tokens on the
         device), then takes N's tokens, applies stops and builds outputs. A request stopped by N's token
         (EOS, a stop string) already has a row in N+1; that token is dropped.
+
+        Ctrl-C waits for the step's end (engine/interrupts.py): a step is never left half-done.
         """
         self._check_open()
-        aborted = self._apply_aborts()
-        outputs: list[RequestOutput] = []
-        overlap = self.async_scheduling and not self.needs_sync
-        if not overlap:
-            outputs += self._complete_in_flight()
-        sched = self.scheduler.schedule()
-        self.runner.release_requests(sched.released_request_ids)
-        launched = False
-        if sched.scheduled:
-            launched, failed = self._launch(sched)
-            outputs += failed
-        # keep the step just launched in flight (its tokens are read at the next call), nothing older
-        outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
-        return self.output_processor.process(aborted) + outputs
+        with deferred_interrupts():
+            aborted = self._apply_aborts()
+            outputs: list[RequestOutput] = []
+            overlap = self.async_scheduling and not self.needs_sync
+            if not overlap:
+                outputs += self._complete_in_flight()
+            sched = self.scheduler.schedule()
+            self.runner.release_requests(sched.released_request_ids)
+            launched = False
+            if sched.scheduled:
+                launched, failed = self._launch(sched)
+                outputs += failed
+            # keep the step just launched in flight (its tokens are read at the next call), nothing older
+            outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
+            return self.output_processor.process(aborted) + outputs
 
     @property
     def needs_sync(self) -> bool:
@@ -256,15 +266,18 @@ class LLMEngine:
 
     def close(self) -> None:
         """Aborts everything and gives the model and KV cache memory back."""
-        if self.closed:
-            return
-        self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
-        self._in_flight.clear()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # nothing may still write into the cache being freed
-        self.runner.release_kv_cache()
-        self.runner.model = None
-        self.closed = True
+        with deferred_interrupts():
+            if self.closed:
+                return
+            self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+            self._in_flight.clear()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # nothing may still write into the cache being freed
+            self.runner.kv_caches.clear()  # in place: a traceback's frame may still hold the list
+            self.runner.release_kv_cache()
+            live_engines.unregister(self)
+            self.runner.model = None
+            self.closed = True
         gc.collect()  # the model's modules may sit in reference cycles
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

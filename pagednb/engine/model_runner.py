@@ -4,7 +4,8 @@ The KV cache is allocated here once, one tensor per layer of shape
 [2, num_blocks, block_size, num_kv_heads, head_dim]. Step inputs are written into preallocated buffers
 (step_buffers.py); a step of decode tokens only replays a CUDA graph when one was captured for its
 batch size (cuda_graphs.py), any other step runs the model eagerly. Either way the sampler runs on the
-device and the sampled tokens come back in the step's one host synchronisation.
+device and the sampled tokens come back in the step's one host synchronisation, with them the sampler's
+per-row flag (INVALID_TOKEN_ID where a row's logits had no valid distribution): no extra sync.
 """
 from __future__ import annotations
 
@@ -173,7 +174,8 @@ class ModelRunner:
         return launched
 
     def collect(self, launched: LaunchedStep) -> tuple[list[int], SamplerOutput | None]:
-        """Waits for a launched step; its sampled tokens, one per sampling request in schedule order."""
+        """Waits for a launched step; its sampled tokens, one per sampling request in schedule order
+        (INVALID_TOKEN_ID for a row the sampler flagged: the scheduler ends that request alone)."""
         if launched.token_ids is None:
             return [], None
         if launched.ready is None:
@@ -237,10 +239,12 @@ class ModelRunner:
             self._gather_pending(v.input_ids, pending_rows, pending_sources)
 
     def _gather_pending(self, input_ids: torch.Tensor, rows: list[int], sources: list[int]) -> None:
-        """input_ids[rows] = the previous launch's sampled tokens[sources], on the device."""
+        """input_ids[rows] = the previous launch's sampled tokens[sources], on the device. A row the sampler
+        flagged (INVALID_TOKEN_ID) reads token 0 instead: its request ends with an error when that flag
+        reaches the host, this step's token is dropped, and nothing indexes the embedding with -1."""
         token_ids = self._last_sampled[0]
         input_ids.index_copy_(0, self.stager.tensor(rows, torch.int64),
-                              token_ids.index_select(0, self.stager.tensor(sources, torch.int64)))
+                              token_ids.index_select(0, self.stager.tensor(sources, torch.int64)).clamp_(min=0))
 
     def prepare_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Request]]:
         """A step of any shape (prefill chunks and decode tokens), in buffers sized to it; also the

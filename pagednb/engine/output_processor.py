@@ -59,10 +59,11 @@ class OutputProcessor:
         for req in progressed:
             i = row_of[req.request_id]  # its row among the step's sampled rows (dropped tokens leave gaps)
             k = req.sampling_params.logprobs
-            if k is None:
+            if k is None or req.error is not None:  # asked for none, or its sampling failed: no token
                 continue
             entry = {req.output_token_ids[-1]: values[i]}
             if top_ids is not None:
+                k = int(min(k, len(top_ids[i])))  # (a float or a count past the vocabulary, as the sampler)
                 entry.update(zip(top_ids[i][:k], top_vals[i][:k]))
             req.logprobs.append(entry)
             req.cumulative_logprob += values[i]
@@ -89,7 +90,7 @@ class OutputProcessor:
         for req in reqs:
             if req.sampling_params.output_kind is final_only and not req.is_finished:
                 continue
-            outputs.append(self._make_output(req, error))
+            outputs.append(self._make_output(req, error if error is not None else req.error))
             if req.is_finished:
                 del self._tracked[req.request_id]
         return outputs

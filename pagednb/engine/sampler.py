@@ -2,7 +2,15 @@
 
 Everything is a batched tensor op over the sampled rows; Python loops only touch rows that need
 their own state (seeded rows draw from their own generator so their tokens do not depend on the
-batch they land in). An all-greedy batch with nothing else to do is a single argmax.
+batch they land in). An all-greedy batch with nothing else to do is a single max.
+
+Isolation: one row's numbers never reach another row, and never an out-of-range index. A row whose
+final logits have no valid distribution (NaN or +inf anywhere, which a huge temperature divisor or a
+repetition penalty of 1e-40 produces as easily as a broken model, or every token masked) gets
+INVALID_TOKEN_ID instead of a token, in the same tensor the runner copies to the host anyway: the flag
+costs no extra synchronisation, and the engine ends that request alone. Filters always keep a row's top
+token (a top_p that underflows to 0 is greedy), banned ids outside the vocabulary are skipped, and
+counts (top_k, logprobs) are clamped to the vocabulary.
 """
 from __future__ import annotations
 
@@ -13,6 +21,10 @@ import torch
 from pagednb.engine.pinned_stager import PinnedStager
 from pagednb.engine.sampling_kernel import sample_with_temperature
 from pagednb.sampling_params import SamplingParams
+
+# In SamplerOutput.token_ids: the row had no valid distribution (see the module docstring). Every other id
+# is in [0, V). Device code that feeds sampled ids back into the model clamps this to 0 first.
+INVALID_TOKEN_ID = -1
 
 
 @dataclass
@@ -90,8 +102,8 @@ class SamplingMetadata:
                 raise ValueError(f"row {i} has seed {params[i].seed} but no generator")
         filtering = [j for j, p in enumerate(rnd) if p.top_k > 0 or p.top_p < 1.0]
         filters = [rnd[j] for j in filtering]
-        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in filters]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        top_k = [_count(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in filters]
+        logprobs = [_count(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
         return cls(
             random_rows=_index(random_idx, device) if 0 < m < n else None,
             num_random=m,
@@ -106,14 +118,14 @@ class SamplingMetadata:
             seeded=seeded,
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size,
                                        device, stager),
-            banned=_build_banned(params, output_token_ids, eos_token_ids or [], device, stager),
+            banned=_build_banned(params, output_token_ids, eos_token_ids or [], vocab_size, device, stager),
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [n] int64
+    token_ids: torch.Tensor  # [n] int64 in [0, V), or INVALID_TOKEN_ID where the row had no valid distribution
     logprobs: torch.Tensor | None  # [n] float32, log-softmax of the raw logits at token_ids
     top_logprobs: torch.Tensor | None  # [n, k_max], descending
     top_token_ids: torch.Tensor | None  # [n, k_max]
@@ -126,7 +138,7 @@ class Sampler(torch.nn.Module):
         """`logits` is [n, V] in the model's dtype or float32; it is never modified. Greedy argmax and the
         temperature kernel read it as it is; everything else works on its (exact) float32 copy."""
         if metadata.is_plain_greedy:
-            return SamplerOutput(logits.argmax(-1), None, None, None)
+            return SamplerOutput(_greedy(logits), None, None, None)
         if not metadata.is_plain_random:
             logits = logits.float()
         raw = logits
@@ -141,12 +153,24 @@ class Sampler(torch.nn.Module):
 
 def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.all_greedy:
-        return logits.argmax(-1)
+        return _greedy(logits)
     if md.random_rows is None:  # all rows random
         return _sample_random(logits, md)
-    token_ids = logits.argmax(-1)
+    token_ids = _greedy(logits)
     token_ids[md.random_rows] = _sample_random(logits[md.random_rows], md)
     return token_ids
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax per row, INVALID_TOKEN_ID where the row's max is not finite. max() propagates NaN, so the
+    row's max alone tells NaN, +inf and all -inf rows apart from good ones, in the same pass as argmax."""
+    top, token_ids = logits.max(-1)
+    return _flag_invalid(token_ids, top)
+
+
+def _flag_invalid(token_ids: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """token_ids where the row's max logit `top` ([n]) is finite, else INVALID_TOKEN_ID; on the device."""
+    return torch.where(top.isfinite(), token_ids, INVALID_TOKEN_ID)
 
 
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -159,15 +183,18 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if token_ids is not None:
             return token_ids
     logits = logits.float() / md.temperature  # (the float32 copy when the kernel declined bf16/fp16 rows)
-    weights = (logits - logits.amax(-1, keepdim=True)).exp_()  # unnormalised; the top token is 1
+    top = logits.amax(-1, keepdim=True)  # NaN if any logit is; +inf after an overflow
+    weights = (logits - top).exp_()  # unnormalised; the top token is 1
     if md.top_k is not None:
         weights.masked_fill_(logits < _top_k_top_p_floor(logits, md), 0.0)
-    if md.min_p is not None:
+    if md.min_p is not None:  # min_p <= 1 keeps the top token
         weights.masked_fill_(weights < md.min_p.unsqueeze(1), 0.0)
     cdf = weights.cumsum_(-1)
-    # 1 - u lies in (0, 1], so the target picks a token of nonzero weight and never runs off the end.
+    # 1 - u lies in (0, 1], so the target picks a token of nonzero weight and never runs off the end; the
+    # clamp only matters for flagged rows, whose NaN target would give V.
     target = (1.0 - u) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target).squeeze(1)
+    token_ids = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    return _flag_invalid(token_ids, top.squeeze(1))
 
 
 def _uniforms(md: SamplingMetadata) -> torch.Tensor:
@@ -194,7 +221,8 @@ def _top_k_top_p_floor(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tens
     weights.masked_fill_(torch.arange(k_max, device=top.device) >= md.top_k.unsqueeze(1), 0.0)
     cum = weights.cumsum(-1)
     keep = ((cum - weights) < md.top_p.unsqueeze(1) * cum[:, -1:]) & (weights > 0)
-    floor = top.gather(1, keep.sum(-1, keepdim=True) - 1)
+    # at least the top token: a top_p that underflowed to 0 (or a NaN row, flagged later) keeps one
+    floor = top.gather(1, keep.sum(-1, keepdim=True).clamp_(min=1) - 1)
     if md.filter_rows is None:
         return floor
     full = torch.full((logits.shape[0], 1), float("-inf"), device=logits.device)
@@ -218,7 +246,7 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k_max: int | None
     if k_max is None:
         return SamplerOutput(token_ids, None, None, None)
     logprobs = raw.log_softmax(-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, token_ids.clamp(min=0).unsqueeze(1)).squeeze(1)  # flagged rows: read, unused
     if k_max == 0:
         return SamplerOutput(token_ids, chosen, None, None)
     top = logprobs.topk(k_max, dim=-1)
@@ -253,20 +281,27 @@ def _build_penalties(params: list[SamplingParams], prompts: list[list[int]],
 
 
 def _build_banned(params: list[SamplingParams], outputs: list[list[int]], eos_token_ids: list[int],
-                  device: torch.device, stager: PinnedStager | None = None
+                  vocab_size: int, device: torch.device, stager: PinnedStager | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """EOS and stop token ids of rows still short of min_tokens."""
+    """EOS and stop token ids of rows still short of min_tokens (ids outside the vocabulary are never
+    sampled anyway, and indexing with them would fail the whole step)."""
     _index, _ = _makers(stager)
     rows: list[int] = []
     cols: list[int] = []
     for i, p in enumerate(params):
         if len(outputs[i]) < p.min_tokens:
             ids = p.stop_token_ids if p.ignore_eos else [*eos_token_ids, *p.stop_token_ids]
+            ids = [t for t in ids if 0 <= t < vocab_size]
             rows += [i] * len(ids)
             cols += ids
     if not rows:
         return None
     return _index(rows, device), _index(cols, device)
+
+
+def _count(value: float, vocab_size: int) -> int:
+    """A per-row count (top_k, logprobs) as the int the tensor ops need, at most the vocabulary size."""
+    return int(min(value, vocab_size))
 
 
 def _makers(stager: PinnedStager | None):

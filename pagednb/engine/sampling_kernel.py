@@ -9,6 +9,9 @@ comment has the design and where its rounding differs.
 
   * `sample_with_temperature_reference` is the torch formula (the sampler's own code path), for tests and
     as the fallback;
+  * a row with no valid distribution (a NaN or +inf logit, or all -inf) gets -1 (the sampler's
+    INVALID_TOKEN_ID) from either, written with the tokens: the engine reads that flag in the copy of the
+    tokens it makes anyway, with no extra synchronisation;
   * `sample_with_temperature` runs the kernel, or returns None when it cannot serve (CPU tensors, the
     library unavailable, a layout it does not take, PAGEDNB_FUSED_OPS=0 read once per process): the
     caller then runs the torch path with the same uniforms, so seeded rows draw the same u either way.
@@ -27,10 +30,10 @@ from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_code
 
 def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
                             ) -> torch.Tensor | None:
-    """Token ids [n] int64 for logits [n, V] float32, bf16 or fp16 (rows may be strided, the last dim
-    dense; 16-bit logits are read as they are, which draws what their exact float32 copy would),
-    temperature and uniforms [n] or [n, 1] float32 on the same device; None when the kernel cannot
-    serve these inputs."""
+    """Token ids [n] int64 (-1 for rows with no valid distribution) for logits [n, V] float32, bf16 or
+    fp16 (rows may be strided, the last dim dense; 16-bit logits are read as they are, which draws what
+    their exact float32 copy would), temperature and uniforms [n] or [n, 1] float32 on the same device;
+    None when the kernel cannot serve these inputs."""
     if not logits.is_cuda:
         return None
     kernel = KERNEL.enabled()
@@ -41,10 +44,12 @@ def sample_with_temperature_reference(logits: torch.Tensor, temperature: torch.T
                                       uniforms: torch.Tensor) -> torch.Tensor:
     """The sampler's torch path for rows without top-k/top-p/min-p."""
     logits = logits / temperature.reshape(-1, 1)
-    weights = (logits - logits.amax(-1, keepdim=True)).exp_()  # unnormalised; the top token is 1
+    top = logits.amax(-1, keepdim=True)  # NaN if any logit is
+    weights = (logits - top).exp_()  # unnormalised; the top token is 1
     cdf = weights.cumsum_(-1)
     target = (1.0 - uniforms.reshape(-1, 1)) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target).squeeze(1)
+    token_ids = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    return torch.where(top.squeeze(1).isfinite(), token_ids, -1)
 
 
 class SamplingKernel:

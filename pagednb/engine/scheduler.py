@@ -8,12 +8,15 @@ tokens of one step go through the model in a single forward pass.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from pagednb.engine.kv_cache_manager import KVCacheManager
 from pagednb.engine.request_queue import make_queue
 from pagednb.request import Request, RequestStatus
+
+logger = logging.getLogger("pagednb")
 
 
 @dataclass(slots=True)
@@ -174,10 +177,11 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         """Appends each sampling request's new token and applies token-level stops.
 
-        sampled_token_ids holds one token per scheduled request that samples, in schedule order.
-        Returns the requests that got a token (finished ones included). With asynchronous scheduling
-        the next step is already scheduled: a request may have been preempted since (its token still
-        counts) or finished (aborted, or stopped by the token before: this token is dropped).
+        sampled_token_ids holds one token per scheduled request that samples, in schedule order; a
+        negative one (the sampler's INVALID_TOKEN_ID) ends that request alone with a SamplingError.
+        Returns the requests that got a token or failed so (finished ones included). With asynchronous
+        scheduling the next step is already scheduled: a request may have been preempted since (its token
+        still counts) or finished (aborted, or stopped by the token before: this token is dropped).
         """
         now = time.monotonic()
         progressed = []
@@ -188,6 +192,10 @@ class Scheduler:
             req = s.request
             token = next(tokens) if s.samples else None
             if req.status > finished:
+                continue
+            if token is not None and token < 0:
+                self._fail_sampling(req)
+                progressed.append(req)
                 continue
             commit(req, s.start + s.num_new_tokens)
             if token is None:
@@ -207,6 +215,19 @@ class Scheduler:
             progressed.append(req)
         return progressed
 
+    def _fail_sampling(self, req: Request) -> None:
+        """Ends a request whose row the sampler flagged (no valid distribution): FINISHED_ERROR with
+        req.error set, its blocks freed and the ones it computed dropped from the prefix cache (their K/V
+        may be NaN too). Nothing of this step is committed for it."""
+        req.num_pending_tokens -= 1
+        req.error = req.sampling_error()
+        logger.warning("%s", req.error)
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ERROR, forget_blocks=True)
+
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token = req.output_token_ids[-1]
         params = req.sampling_params
@@ -221,9 +242,12 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, forget_blocks: bool = False) -> None:
         req.status = status
         req.finished_time = time.monotonic()
-        self.kv.free(req)
+        if forget_blocks:
+            self.kv.free_and_forget(req)
+        else:
+            self.kv.free(req)
         self._released.append(req.request_id)
         del self.requests[req.request_id]

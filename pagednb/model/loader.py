@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from types import SimpleNamespace
 
 import torch
 
@@ -16,7 +17,7 @@ from pagednb.attention.backend import AttentionBackend
 from pagednb.model.decoder import CausalLM
 from pagednb.model.layers import MergedLinear
 from pagednb.model.registry import build_model
-from pagednb.model.spec import ModelSpec
+from pagednb.model.spec import CONFIG_DIMENSIONS, ModelSpec, check_hf_config
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -67,8 +68,28 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 
 
 def load_hf_config(path: Path, trust_remote_code: bool = False):
+    """The HF config; its numbers are checked first from config.json itself (spec.check_hf_config), since
+    transformers divides by num_attention_heads and builds per-layer lists while constructing it."""
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _check_raw_config(Path(path))
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError:
+        raise
+    except Exception as e:  # transformers' own validation: strict field types, divisibility
+        raise ValueError(f"{Path(path) / 'config.json'} is not a valid model config: {e}") from e
+
+
+def _check_raw_config(path: Path) -> None:
+    """check_hf_config on config.json's top-level numbers, when it has the usual decoder fields (a config
+    that nests them, e.g. a multimodal one, is left to the architecture check)."""
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return  # missing or unreadable: AutoConfig says so in its own words
+    if isinstance(raw, dict) and all(name in raw for name in CONFIG_DIMENSIONS):
+        check_hf_config(SimpleNamespace(**raw))
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -92,8 +113,7 @@ def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors shards (from the index if sharded); refuses pickle checkpoints."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        return [path / name for name in _index_shards(index)]
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files
@@ -104,6 +124,33 @@ def safetensors_files(path: Path) -> list[Path]:
             f"*.safetensors, for security (pickle files can run code). Convert the checkpoint to "
             f"safetensors (e.g. save_pretrained(..., safe_serialization=True)).")
     raise WeightLoadError(f"no *.safetensors weights found in {path}")
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard files an index names, each a relative .safetensors path inside the model folder: an
+    index from the Hub must not make pagednb read files elsewhere ("../x", "/etc/...")."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise WeightLoadError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from e
+    if not isinstance(weight_map, dict):
+        raise WeightLoadError(f"{index}: 'weight_map' must map tensor names to shard files")
+    if not all(isinstance(name, str) for name in weight_map.values()):
+        raise WeightLoadError(f"{index}: every 'weight_map' entry must name a shard file (a str)")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if not _is_inside_folder(name) or not name.endswith(".safetensors"):
+            raise WeightLoadError(f"{index} names shard {name!r}; shards must be .safetensors files inside "
+                                  f"the model folder (a relative path without '..')")
+    return names
+
+
+def _is_inside_folder(name: str) -> bool:
+    """Lexically, without following links: the Hub cache links every file to a blob outside the folder."""
+    for pure in (PurePosixPath(name), PureWindowsPath(name)):
+        if pure.is_absolute() or pure.anchor or ".." in pure.parts:
+            return False
+    return bool(name.strip())
 
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pagednb.attention.backend import AttentionBackend
 from pagednb.model.decoder import CausalLM, DecoderFlavor, llama_flavor, qwen2_flavor, qwen3_flavor
-from pagednb.model.spec import ModelSpec
+from pagednb.model.spec import ModelSpec, check_hf_config
 
 SlidingWindows = tuple[int | None, ...]  # one per layer; None = full attention
 
@@ -67,8 +67,10 @@ def _architecture_name(hf_config) -> str:
 
 
 def model_spec(hf_config) -> ModelSpec:
-    """The model's ModelSpec (UnsupportedArchitectureError first if pagednb cannot run it)."""
+    """The model's ModelSpec (UnsupportedArchitectureError first if pagednb cannot run it; then a
+    ValueError naming the field if the config's numbers are not sane, before anything is sized by them)."""
     name = _architecture_name(hf_config)
+    check_hf_config(hf_config)
     return ModelSpec.from_hf_config(hf_config, name, SUPPORTED_ARCHITECTURES[name].sliding_windows(hf_config))
 
 

@@ -115,12 +115,15 @@ class ChatView(Displayable):
                                          _bubble(f"<b>error:</b> {escape(str(error))}", ASSISTANT_CSS + "color:#b91c1c;"))
 
     def _on_final(self, out: RequestOutput | None) -> None:
-        """Runs (on the loop) when the reply ends, before anyone awaiting it resumes."""
-        text = out.outputs[0].text if out is not None and out.outputs else ""
-        self.history.append({"role": "assistant", "content": text})
-        BUDGET.take(2)
-        self.send_button.disabled = False
-        self.cancel_button.disabled = True
+        """Runs (on the loop) when the reply ends, before anyone awaiting it resumes. Whatever happens
+        here, the chat goes back to idle: Send on, Cancel off."""
+        try:
+            text = out.outputs[0].text if out is not None and out.outputs else ""
+            self.history.append({"role": "assistant", "content": text})
+        finally:
+            BUDGET.take(2)
+            self.send_button.disabled = False
+            self.cancel_button.disabled = True
 
     def __repr__(self) -> str:
         return f"ChatView({len(self.history)} messages{', streaming' if self.busy else ''})"

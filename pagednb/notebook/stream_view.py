@@ -5,10 +5,15 @@ through throttles, so the widgets get at most ~30 text updates a second however 
 the final state always lands. The Cancel button only calls `llm.abort()` (thread-safe, as ipykernel
 7.0-7.3 may run handlers on another thread); the consuming task sees the request end with
 finish_reason "abort" and renders that itself, so widgets are only ever touched on the loop's thread.
+
+Views fail soft: a rendering error (a Markdown bug, a widget that refuses a value) is logged once and
+the view falls back to plain escaped text; it never stops the consuming task, so the view still ends
+with its final text and status, Cancel disabled, and `await view` gives the final output.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -20,6 +25,8 @@ from pagednb.notebook.prompts import engine_prompt
 from pagednb.notebook.throttle import BUDGET, STATUS_HZ, TEXT_HZ, Throttle
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("pagednb")
 
 # The engine's default (16 tokens) suits batch calls; a view is for reading a whole reply.
 DEFAULT_MAX_TOKENS = 256
@@ -48,6 +55,7 @@ class StreamView(Displayable):
         self._on_final = on_final
         self._started = time.monotonic()
         self._latest: RequestOutput | None = None
+        self._failed: set[str] = set()  # rendering steps that failed (each logged once)
 
         self.text = widgets.HTML(self._wrap(""))
         self.text.add_class("pagednb-stream-text")
@@ -105,7 +113,7 @@ class StreamView(Displayable):
             self._finish(final, "cancelled")
             self._future.cancel()
             raise
-        except Exception as error:  # the engine failed this request
+        except Exception as error:  # the engine failed this request (renders never raise: see _soft)
             self._finish(final, f"error: {error}")
             self._future.set_exception(error)
             return
@@ -113,26 +121,50 @@ class StreamView(Displayable):
         self._future.set_result(final)
 
     def _finish(self, final: RequestOutput | None, problem: str | None) -> None:
-        """The last render, always sent: full text, final status, Cancel disabled."""
-        self._text_throttle.flush(self._render_text)
-        self._status_throttle.flush(lambda: self._render_status(problem))
+        """The last render, always sent: full text, final status, Cancel disabled. Each part is soft,
+        so the caller resolves the future whatever a widget or the on_final callback does."""
+        self._soft(lambda: self._text_throttle.flush(self._render_text), "the final text")
+        self._soft(lambda: self._status_throttle.flush(lambda: self._render_status(problem)), "the final status")
         self._text_throttle.close()
         self._status_throttle.close()
         BUDGET.take(1)
-        self.cancel_button.disabled = True
+        self._soft(lambda: setattr(self.cancel_button, "disabled", True), "disabling Cancel")
         if self._on_final is not None:
-            self._on_final(final)
+            self._soft(lambda: self._on_final(final), "the on_final callback")
 
     # ---- rendering (loop thread only) --------------------------------------------------------------
+    def _soft(self, action: Callable[[], object], what: str) -> bool:
+        """Runs one rendering step; an error in it is logged (once per kind) and swallowed (False), never
+        raised into the task that consumes the stream: a view's display must not decide whether its
+        request finishes."""
+        try:
+            action()
+            return True
+        except Exception:
+            if what not in self._failed:
+                self._failed.add(what)
+                logger.warning("pagednb view %s: %s failed; the view carries on", self.request_id, what,
+                               exc_info=True)
+            return False
+
     def _wrap(self, body: str) -> str:
         return f'<div style="{self._text_css}">{body}</div>' if self._text_css else body
 
     def _render_text(self) -> None:
         out = self._latest
-        self.text.value = self._wrap(self._to_html(out.outputs[0].text if out and out.outputs else ""))
+        text = out.outputs[0].text if out and out.outputs else ""
+        if not self._soft(lambda: setattr(self.text, "value", self._wrap(self._to_html(text))), "rendering the text"):
+            self._to_html = plain_to_html  # from now on: a stream that flips between the two would flicker
+            self._soft(lambda: setattr(self.text, "value", self._wrap(plain_to_html(text))), "the plain-text fallback")
 
     def _render_status(self, problem: str | None = None) -> None:
-        self.status.value = status_line(self._latest, time.monotonic() - self._started, problem)
+        def render() -> None:
+            self.status.value = status_line(self._latest, time.monotonic() - self._started, problem)
+        if not self._soft(render, "rendering the status"):
+            out = self._latest
+            reason = out.outputs[0].finish_reason if out is not None and out.outputs else None
+            fallback = problem or reason or "generating…"
+            self._soft(lambda: setattr(self.status, "value", fallback), "the status fallback")
 
 
 def status_line(out: RequestOutput | None, elapsed: float, problem: str | None = None) -> str:
