@@ -19,7 +19,9 @@ BLOCK = 16  # the embedded model's default block size
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def llm(request):
-    engine = LLM(async_scheduling=request.param)
+    # eager: the injection wraps the model's compute_logits in Python, which a captured CUDA graph would
+    # replay around (on the GPU the sampling kernel then meets the poisoned row, as on the CPU the sampler)
+    engine = LLM(async_scheduling=request.param, enforce_eager=True)
     yield engine
     engine.close()
 

@@ -25,13 +25,13 @@ def held_bytes(llm) -> int:
 
 
 def test_a_second_engine_names_the_first_and_close_makes_the_registry_forget_it(first_model, caplog):
-    first = LLM(str(first_model), num_kv_blocks=64)
+    first = LLM(str(first_model), num_kv_blocks=64, device="cpu")
     try:
         memory = live_engines.memory_of(first.engine)
         assert memory is not None and memory.device == "cpu" and memory.model == first_model.name
         assert memory.total_bytes == held_bytes(first)
         with caplog.at_level(logging.INFO, logger="pagednb"):
-            second = LLM(num_kv_blocks=64)
+            second = LLM(num_kv_blocks=64, device="cpu")
         with second:
             report = caplog.text
             assert live_engines.memory_of(second.engine) is not None
@@ -42,22 +42,22 @@ def test_a_second_engine_names_the_first_and_close_makes_the_registry_forget_it(
     assert live_engines.memory_of(first.engine) is None and live_engines.memory_of(second.engine) is None
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pagednb"):
-        third = LLM(num_kv_blocks=64)
+        third = LLM(num_kv_blocks=64, device="cpu")
     with third:
         assert first_model.name not in caplog.text  # closed: no longer reported
 
 
 def test_refusing_to_start_tells_to_close_the_other_engines(first_model):
-    with LLM(str(first_model), num_kv_blocks=64):
+    with LLM(str(first_model), num_kv_blocks=64, device="cpu"):
         with pytest.raises(ValueError) as refused:
-            LLM(kv_cache_memory=1024, max_model_len=512)  # no whole block; one request needs 32
+            LLM(kv_cache_memory=1024, max_model_len=512, device="cpu")  # no whole block; one request needs 32
     message = str(refused.value)
     assert "max_model_len=512 needs 32 blocks" in message
     assert f"{first_model.name}: " in message and "close()" in message
 
 
 def test_a_dropped_engine_leaves_the_registry():
-    llm = LLM(num_kv_blocks=64)
+    llm = LLM(num_kv_blocks=64, device="cpu")
     engine = llm.engine
     assert live_engines.memory_of(engine) is not None
     del llm  # LLM.__del__ closes it, as re-running `llm = LLM(...)` does with the old one
