@@ -2,10 +2,11 @@
 import logging as _logging
 
 from pagednb.llm import LLM
-from pagednb.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagednb.sampling_params import RequestOutputKind, SamplingParams
+from pagednb.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagednb.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "RequestOutputKind"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "RequestOutputKind",
+           "Logprob", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 _logger = _logging.getLogger("pagednb")

@@ -12,9 +12,11 @@ from pagednb.engine.driver import EngineDriver
 from pagednb.engine.input_processor import PromptType
 from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.engine.llm_engine import LLMEngine
+from pagednb.metrics import Metric, metrics_from_stats
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
 from pagednb.streams import RequestStream
+from pagednb.vllm_compat import check_vllm_option, is_vllm_option
 
 # A tiny story-telling Llama trained by tools/train_tiny_model.py, shipped so everything runs offline.
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -141,6 +143,41 @@ class LLM:
         """Pool and scheduler counters: blocks used/free/cached, running/waiting, preemptions, hits."""
         return self.engine.stats()
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's shape of stats(): a list of Counter and Gauge objects (name "pagednb:<stats key>", value,
+        labels {"model_name": ...}); see pagednb/metrics.py."""
+        return metrics_from_stats(self.engine.stats(), {"model_name": self.engine.config.model})
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine underneath: the same object as `llm.engine`."""
+        return self.engine
+
+    # ---- sleep mode ------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Gives the GPU back while this LLM is idle (train, plot, run another model in the same kernel):
+        level 1 moves the weights to pinned CPU memory and frees the KV pool; level 2 drops the weights
+        too (reloaded from the checkpoint by `wake_up`). Unfinished requests refuse it (RuntimeError), as
+        vLLM expects an idle engine; while asleep, generate/chat/stream raise until `wake_up()`."""
+        with deferred_interrupts(), self.driver._step_lock:  # no step may run while the weights move
+            self.driver._check_alive()
+            self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores the weights, a KV pool of the same size and the CUDA graphs; outputs are as before.
+        `tags` (vLLM's, to wake the weights before the KV cache) is accepted only as None or all of them:
+        pagednb wakes everything at once."""
+        if tags is not None and sorted(set(tags)) != ["kv_cache", "weights"]:
+            raise ValueError(f"pagednb does not support waking in parts: tags must be None or both 'weights' "
+                             f"and 'kv_cache', got {tags!r}")
+        with deferred_interrupts(), self.driver._step_lock:
+            self.driver._check_alive()
+            self.engine.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     @property
     def max_model_len(self) -> int:
         """The longest prompt + output a request may have."""
@@ -229,8 +266,11 @@ _OPTIONS = [field for field in dataclasses.fields(EngineConfig) if field.name !=
 
 def _engine_config(model: str | None, options: dict) -> EngineConfig:
     """EngineConfig from LLM's arguments; a misspelt option raises TypeError as Python would, listing
-    the accepted ones."""
+    the accepted ones; a vLLM option pagednb lacks raises ValueError naming it, unless its value asks for
+    nothing (tensor_parallel_size=1): then it is ignored (pagednb/vllm_compat.py)."""
     names = [field.name for field in _OPTIONS]
+    for name in [name for name in options if name not in names and is_vllm_option(name)]:
+        check_vllm_option(name, options.pop(name))  # a harmless value is dropped; any other raises
     unknown = [name for name in options if name not in names]
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}; it takes model and "

@@ -16,6 +16,20 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """vLLM's: a token's raw logprob, its rank in the vocabulary (1 = most likely) and its text (the
+    tokenizer's decode([token_id]); None when the request has detokenize=False)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token_id: Logprob} holding the chosen token and the top-k alternatives (engine/logprobs.py).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -23,11 +37,11 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     delta: str = ""  # the text added since the previous output of this request
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's (RequestOutput.finished stays an attribute, as vLLM's)."""
         return self.finish_reason is not None
 
 
@@ -39,5 +53,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # with prompt_logprobs: None for the first prompt token, then one dict per prompt position (as vLLM)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     error: BaseException | None = field(default=None, repr=False)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagednb.outputs import Logprob
 from pagednb.sampling_params import SamplingParams
 
 
@@ -38,7 +39,8 @@ class RequestStatus(enum.IntEnum):
 
 # the parameters that shape a row's logits, named in a SamplingError
 _NUMERIC_SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                      "presence_penalty", "frequency_penalty", "min_tokens"})
+                                      "presence_penalty", "frequency_penalty", "min_tokens",
+                                      "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"})
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -78,18 +80,22 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token (logprobs=k)
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
     error: BaseException | None = None  # why it ended with FINISHED_ERROR on its own (SamplingError)
+    # bad-word token ids and grammar matcher (engine/logits_processors.py); None when no processor is used
+    logits_state: object | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         params = self.sampling_params
         # Sampling that reads the output so far (penalties, min_tokens) needs every token on the host
-        # before the next step is built, so such a request turns asynchronous scheduling off.
-        self.needs_output_history = params.has_penalties or params.min_tokens > 0
+        # before the next step is built, so such a request turns asynchronous scheduling off. So do
+        # bad_words (they read the output) and structured outputs (the matcher needs each token).
+        self.needs_output_history = (params.has_penalties or params.min_tokens > 0
+                                     or params.structured_outputs is not None or bool(params.bad_words))
 
     @property
     def num_prompt_tokens(self) -> int:

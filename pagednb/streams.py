@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pagednb.engine.driver import EngineDriver
 from pagednb.engine.interrupts import deferred_interrupts
+from pagednb.engine.parallel_sampling import ParentRequest
 from pagednb.outputs import RequestOutput
 from pagednb.request import Request
 
@@ -31,9 +32,10 @@ class RequestStream:
         self._done = True  # until start(): there is nothing to abort
         self.sink = _queue_sink(self._queue, asyncio.get_running_loop(), functools.partial(driver.abort, request_id))
 
-    def start(self, req: Request) -> None:
-        """Submits the request; its outputs then come here. An interrupt while submitting aborts it: the
-        caller never receives the stream, so nobody could read it."""
+    def start(self, req: Request | ParentRequest) -> None:
+        """Submits the request (with n > 1, its n completions: each output carries the completions by
+        .index, engine/parallel_sampling.py); its outputs then come here. An interrupt while submitting
+        aborts it: the caller never receives the stream, so nobody could read it."""
         try:
             with deferred_interrupts():
                 self._driver.submit(req, self.sink)

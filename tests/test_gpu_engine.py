@@ -199,3 +199,55 @@ def test_a_re_run_engine_reports_its_own_weights_and_names_the_engine_still_aliv
     finally:
         first.close()
 
+
+
+def _qwen3_0_6b_shape(tmp_path):
+    """The Qwen3-0.6B shape with random bf16 weights, as the benchmarks build it (benchmarks/shapes.py)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "bench_shapes", Path(__file__).resolve().parents[1] / "benchmarks" / "shapes.py")
+    shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shapes)
+    return shapes.make_model_dir("qwen3-0.6b", tmp_path)
+
+
+def test_sleep_level_1_leaves_under_1_gib_and_wakes_with_the_same_outputs_and_graphs(tmp_path):
+    """Sleep mode's promise on the GPU (issue 16): the Qwen3-0.6B shape with its profiled pool and CUDA
+    graphs keeps < 1 GiB after sleep(level=1), then wakes to the same greedy tokens through recaptured
+    graphs (the old ones held freed addresses)."""
+    path = _qwen3_0_6b_shape(tmp_path)
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 164 + 7 * i))} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with LLM(str(path), gpu_memory_utilization=0.3, max_num_seqs=64) as llm:
+        awake = torch.cuda.memory_allocated() - baseline
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.uses_cuda_graphs and llm.engine.runner.graphs.num_replays > 0
+        llm.sleep(level=1)
+        torch.cuda.synchronize()
+        asleep = torch.cuda.memory_allocated() - baseline
+        assert asleep < 2**30, f"{asleep / 2**30:.2f} GiB still allocated after sleep(level=1)"
+        assert awake > 10 * 2**30  # the weights (1.2 GB) and the pool were really there
+        llm.wake_up()
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.num_replays == 0  # recaptured, not the stale ones
+        after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert graphs.num_replays > 0
+        assert after == before
+        assert torch.cuda.memory_allocated() - baseline == pytest.approx(awake, rel=0.05)
+
+
+def test_sleep_level_2_reloads_the_weights_on_the_gpu(tiny_model_dir):
+    with LLM(str(tiny_model_dir("qwen3", tie_word_embeddings=True)), dtype="float32", num_kv_blocks=64) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        llm.sleep(level=2)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() < held
+        assert all(p.numel() == 0 for p in llm.engine.runner.model.parameters())
+        llm.wake_up()
+        assert all(p.is_cuda and p.dtype == torch.float32 for p in llm.engine.runner.model.parameters())
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == before

@@ -51,9 +51,11 @@ def test_output_fields(llm):
     assert out.finished and completion.finish_reason == "length" and len(completion.token_ids) == 5
     assert len(completion.logprobs) == 5
     for token, entry in zip(completion.token_ids, completion.logprobs):
-        assert token in entry and entry[token] <= 0
-        assert entry[token] == max(entry.values())  # greedy picks the most likely token
-    assert completion.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)))
+        assert token in entry and entry[token].logprob <= 0
+        assert entry[token].logprob == max(e.logprob for e in entry.values())  # greedy picks the most likely
+        assert entry[token].rank == 1
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)))
     m = out.metrics
     assert m.arrival_time <= m.first_token_time <= m.finished_time
 

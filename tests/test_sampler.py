@@ -190,6 +190,24 @@ def test_logprobs_zero_reports_only_the_sampled_token(logits):
     assert out.logprobs.shape == (6,) and out.top_logprobs is None and out.top_token_ids is None
 
 
+def test_sampled_token_rank_counts_the_more_likely_tokens(logits):
+    """Rank 1 for the argmax; a temperature draw's rank is 1 + the tokens above it in the raw logits."""
+    params = [SamplingParams(temperature=5.0, logprobs=0), SamplingParams(temperature=0, logprobs=2)] * 3
+    out = sample(logits, params, generator=torch.Generator().manual_seed(3))
+    raw = logits.log_softmax(-1)
+    chosen = raw.gather(1, out.token_ids[:, None])
+    assert torch.equal(out.ranks, (raw > chosen).sum(-1) + 1)  # (no ties in random logits)
+    assert torch.all(out.ranks[1::2] == 1)
+    assert torch.any(out.ranks[0::2] > 1)  # a hot temperature does draw less likely tokens
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(logits):
+    out = sample(logits, [SamplingParams(temperature=0, logprobs=-1), SamplingParams(temperature=0, logprobs=2)] * 3)
+    assert out.top_token_ids.shape == (6, V)
+    assert torch.equal(out.top_token_ids.sort(-1).values, torch.arange(V).expand(6, V))
+    assert torch.allclose(out.top_logprobs.exp().sum(-1), torch.ones(6))
+
+
 # ---- isolation: a row's bad numbers flag that row and nothing else ---------------------------------------
 def bad_logits(logits):
     """Rows 0-2 with no valid distribution (a NaN, a +inf, all -inf); rows 3-5 as they were."""

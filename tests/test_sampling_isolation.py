@@ -24,7 +24,7 @@ GOOD = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 GOOD_PROMPTS = [[5, 17, 99, 3, 250, 8], [700, 12, 12, 40, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
-          "include_stop_str_in_output", "logprobs", "skip_special_tokens", "truncate_prompt_tokens",
+          "include_stop_str_in_output", "logprobs", "prompt_logprobs", "skip_special_tokens", "truncate_prompt_tokens",
           "output_kind"]
 
 NUMBERS = st.one_of(
@@ -55,7 +55,8 @@ EDGES = {
     "repetition_penalty": st.one_of(st.floats(1e-6, 1e6), st.sampled_from([1e-40, 1e-6, 1e6, 1e40])),
     "presence_penalty": st.floats(-2.0, 2.0),
     "frequency_penalty": st.floats(-2.0, 2.0),
-    "logprobs": st.one_of(st.integers(0, 5000), st.sampled_from([0.0, 20.0, 1138, 1139, 10 ** 9])),
+    "logprobs": st.one_of(st.integers(-1, 5000), st.sampled_from([0.0, 20.0, 1138, 1139, 10 ** 9])),
+    "prompt_logprobs": st.one_of(st.integers(-1, 5000), st.sampled_from([-1, 0.0, 1138, 1139])),
     "min_tokens": st.integers(0, 4),
     "stop_token_ids": st.one_of(st.lists(st.integers(0, 10 ** 7), max_size=4),
                                 st.sampled_from([list(range(1138)), list(range(2000)), [10 ** 6]])),

@@ -21,6 +21,7 @@ U+FFFD character is taken as split.
 """
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 from tokenizers import Tokenizer
@@ -39,12 +40,14 @@ class IncrementalDetokenizer:
         backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(
             tokenizer, "backend_tokenizer", None)
         skip = params.skip_special_tokens
+        # detokenize=False (vLLM's): no text at all, token ids only; nothing below is ever decoded
+        self._enabled = params.detokenize
         if backend is not None:
             self._decode = partial(backend.decode, skip_special_tokens=skip)
         else:  # a slow tokenizer: no cleanup, or deltas would not add up
-            self._decode = partial(tokenizer.decode, skip_special_tokens=skip,
-                                   clean_up_tokenization_spaces=False)
-        context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+            self._decode = partial(tokenizer.decode, skip_special_tokens=skip, clean_up_tokenization_spaces=False,
+                                   **_spacing_option(tokenizer, params.spaces_between_special_tokens))
+        context = list(prompt_token_ids[-CONTEXT_TOKENS:]) if self._enabled else []
         self._ids = context  # context + output ids
         self._prefix = 0  # ids[prefix:read] decode to the text emitted last
         self._read = len(context)
@@ -63,7 +66,8 @@ class IncrementalDetokenizer:
         max_stop = max(map(len, self._stops), default=0)
         self._holdback = 0 if self._include_stop else max(0, max_stop - 1)
         # Nobody looks at the text before the end: decode once when the request finishes.
-        self._deferred = params.output_kind is RequestOutputKind.FINAL_ONLY and not self._stops
+        self._deferred = not self._enabled or (params.output_kind is RequestOutputKind.FINAL_ONLY
+                                               and not self._stops)
         self._backend = backend
         self._skip = skip
         # DecodeStream cannot start on a split character: the window scheme runs until the prompt's
@@ -80,7 +84,8 @@ class IncrementalDetokenizer:
 
         The caller then finishes the request; later updates are ignored.
         """
-        if self._finished:
+        if self._finished or not self._enabled:
+            self._finished = self._finished or finished
             return None
         self._ids += new_token_ids
         self._num_output += len(new_token_ids)
@@ -156,3 +161,16 @@ class IncrementalDetokenizer:
         if best is not None:
             self._text = self._text[:best_at + (len(best) if self._include_stop else 0)]
         return best
+
+
+def _spacing_option(tokenizer, spaces_between_special_tokens: bool) -> dict:
+    """{"spaces_between_special_tokens": ...} for a slow tokenizer whose decode names that option (HF's
+    SentencePiece ones); {} otherwise. Fast (Rust) tokenizers have no such option: their decoder
+    decides, as in vLLM, whose fast detokenizer ignores it too."""
+    for fn in (getattr(tokenizer, "_decode", None), tokenizer.decode):
+        try:
+            if fn is not None and "spaces_between_special_tokens" in inspect.signature(fn).parameters:
+                return {"spaces_between_special_tokens": spaces_between_special_tokens}
+        except (TypeError, ValueError):  # a builtin without a signature
+            continue
+    return {}

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from pagednb.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from pagednb.request import Request
 from pagednb.sampling_params import SamplingParams
 from pagednb.validation import INT64_MAX, as_int
@@ -33,8 +34,9 @@ class InputProcessor:
         self._arrival_indices = itertools.count()  # breaks arrival-time ties in the scheduler's order
 
     def make_request(self, request_id: str | None, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                     priority: int = 0) -> Request:
-        """A checked Request; a bad argument raises TypeError or ValueError naming it, and nothing changes."""
+                     priority: int = 0) -> Request | ParentRequest:
+        """A checked Request (a ParentRequest of n children when n > 1); a bad argument raises TypeError or
+        ValueError naming it, and nothing changes."""
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str or None, got {request_id!r} ({type(request_id).__name__})")
         params = self._check_params(sampling_params)
@@ -45,9 +47,16 @@ class InputProcessor:
         self._check_prompt(token_ids)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         if request_id is None:
-            request_id = self._automatic_request_id()
-        elif self._is_request_id_in_use(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            request_id = self._automatic_request_id(params.n)
+        elif self._is_family_id_in_use(request_id, params.n):
+            raise ValueError(f"request_id {request_id!r} is already in use" + (
+                "" if params.n == 1 else f" (with its completions' ids '0_{request_id}'..'{params.n - 1}_{request_id}')"))
+        if params.n > 1:
+            return self._make_parent(request_id, text, token_ids, params, max_tokens, priority)
+        return self._make_one(request_id, text, token_ids, params, max_tokens, priority)
+
+    def _make_one(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                  max_tokens: int, priority: int) -> Request:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -55,11 +64,24 @@ class InputProcessor:
                        arrival_index=next(self._arrival_indices), eos_token_ids=self.eos_token_ids,
                        generator=generator)
 
-    def _automatic_request_id(self) -> str:
+    def _make_parent(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                     max_tokens: int, priority: int) -> ParentRequest:
+        """n > 1: n child requests of one prompt (engine/parallel_sampling.py), queued side by side."""
+        children = [self._make_one(child_request_id(request_id, i), text, token_ids, child_params(params, i),
+                                   max_tokens, priority) for i in range(params.n)]
+        return ParentRequest(request_id, children, params.output_kind)
+
+    def _is_family_id_in_use(self, request_id: str, n: int) -> bool:
+        """The id, or with n > 1 any of its children's ids, taken by a request in flight."""
+        if self._is_request_id_in_use(request_id):
+            return True
+        return n > 1 and any(self._is_request_id_in_use(child_request_id(request_id, i)) for i in range(n))
+
+    def _automatic_request_id(self, n: int = 1) -> str:
         """The next counter value that no request in flight uses: a user may have taken "7" already."""
         while True:
             request_id = str(next(self._request_ids))
-            if not self._is_request_id_in_use(request_id):
+            if not self._is_family_id_in_use(request_id, n):
                 return request_id
 
     def _check_params(self, sampling_params: SamplingParams | None) -> SamplingParams:
@@ -73,8 +95,11 @@ class InputProcessor:
                             f"{type(sampling_params).__name__}")
         params = sampling_params.clone()
         vocab = self.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} must be -1 (the whole vocabulary) or <= the vocabulary size ({vocab}), "
+                                 f"got {k}")
         for i, token_id in enumerate(params.stop_token_ids):
             if token_id >= vocab:
                 raise ValueError(f"stop_token_ids[{i}] = {token_id} is outside the vocabulary [0, {vocab})")

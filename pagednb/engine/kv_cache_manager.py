@@ -49,8 +49,9 @@ class KVCacheManager:
         """Longest run of cached full blocks matching the request's tokens, content-verified.
 
         Capped at num_tokens - 1 so the last token is always computed: its logits give the next token.
+        A request asking for prompt logprobs takes no hit (as in vLLM): every prompt row must be computed.
         """
-        if not self.caching:
+        if not self.caching or req.sampling_params.prompt_logprobs is not None:
             return PrefixHit([], 0)
         state = self._reqs.setdefault(req.request_id, _RequestBlocks())
         max_blocks = (req.num_tokens - 1) // self.block_size

@@ -2,9 +2,10 @@
 
 Requests are built and checked by the input processor before they are queued. A step flows one way:
 pending aborts -> scheduler -> model runner (forward + sampler) -> scheduler (append tokens,
-token-level stops) -> output processor (logprobs, detokenize, stop strings) -> outputs. The one way
-back is a stop string: the output processor finds it in the text, `_finish_stopped` ends the request
-in the scheduler before its output is built. Everything here is synchronous and single-threaded
+token-level stops) -> grammar matchers (structured output: a finished grammar stops its request) ->
+output processor (logprobs, detokenize, stop strings) -> outputs. The one way back is a stop string:
+the output processor finds it in the text, `_finish_stopped` ends the request in the scheduler before
+its output is built. Everything here is synchronous and single-threaded
 except `abort_request`, which may be called from any thread and takes effect at the next step boundary.
 """
 from __future__ import annotations
@@ -25,10 +26,13 @@ from pagednb.engine.block_pool import BlockPool
 from pagednb.engine.input_processor import InputProcessor, PromptType, find_eos_token_ids
 from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.engine.kv_cache_manager import KVCacheManager
+from pagednb.engine.logits_processors import LogitsProcessors
 from pagednb.engine.kv_cache_sizing import plan_kv_pool
 from pagednb.engine.model_runner import ModelRunner
 from pagednb.engine.output_processor import OutputProcessor
+from pagednb.engine.parallel_sampling import ParentRequest
 from pagednb.engine.scheduler import Scheduler
+from pagednb.engine.sleep import SLEEP_LEVELS, SleepingWeights, put_to_sleep, wake
 from pagednb.model import load_hf_config, load_model, load_tokenizer, model_spec, resolve_model_path
 from pagednb.model.spec import check_start_up_memory
 from pagednb.outputs import RequestOutput
@@ -79,6 +83,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len,
                                               self.eos_token_ids, self.device, self._is_request_id_in_use)
+        # logit_bias, allowed_token_ids, bad_words, structured outputs (xgrammar, loaded at first use)
+        self.logits_processors = LogitsProcessors(self.tokenizer, self.spec.vocab_size, sorted(self.eos_token_ids))
+        self.runner.logits_processors = self.logits_processors
         self._pending_aborts: set[str] = set()
         self._in_flight: collections.deque = collections.deque()  # launched steps not yet finished
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
@@ -88,6 +95,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # prompt and recomputed tokens included: all the model processed
         self.closed = False
+        self._sleeping: SleepingWeights | None = None  # set while asleep (engine/sleep.py)
         # Start-up promoted ~10^6 long-lived objects (torch, transformers, the model) into the oldest GC
         # generation without a full collection; serving's own survivors would then soon make one due, and it
         # walks them all: a ~250 ms pause in the middle of the first workload (benchmarks/NOTES.md). One full
@@ -121,14 +129,23 @@ class LLMEngine:
         return req.request_id
 
     def make_request(self, request_id: str | None, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                     priority: int = 0) -> Request:
-        """Builds a checked Request without queueing it (so a batch can be checked before any is added)."""
+                     priority: int = 0) -> Request | ParentRequest:
+        """Builds a checked Request without queueing it (so a batch can be checked before any is added);
+        with SamplingParams.n > 1 a ParentRequest of n children (engine/parallel_sampling.py)."""
         self._check_open()
-        return self.input_processor.make_request(request_id, prompt, sampling_params, priority)
+        self._check_awake()
+        req = self.input_processor.make_request(request_id, prompt, sampling_params, priority)
+        for one in req.children if isinstance(req, ParentRequest) else (req,):
+            self.logits_processors.prepare(one)  # vocabulary checks, bad-word tokens, grammar compiled (ValueError)
+        return req
 
-    def enqueue(self, req: Request) -> None:
+    def enqueue(self, req: Request | ParentRequest) -> None:
+        """Queues a request from make_request (with n > 1, its n children side by side)."""
+        self._check_awake()
         self.output_processor.add_request(req)
-        self.scheduler.add_request(req)
+        for one in req.children if isinstance(req, ParentRequest) else (req,):
+            self.logits_processors.register(one)
+            self.scheduler.add_request(one)
 
     def _is_request_id_in_use(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests or self.output_processor.has_request(request_id)
@@ -206,11 +223,21 @@ class LLMEngine:
 
     def _process(self, sched, token_ids: list[int], sampler_output) -> list[RequestOutput]:
         progressed = self.scheduler.update_from_output(sched, token_ids)
+        self._advance_grammars(progressed)
         self.num_steps += 1
         self.num_generated_tokens += len(progressed)
         self.num_computed_tokens += sched.num_scheduled_tokens
         self.output_processor.record_logprobs(progressed, sampler_output, sched)
-        return self.output_processor.process(progressed, self._finish_stopped)
+        return self.output_processor.process(self._with_failed_siblings(progressed), self._finish_stopped)
+
+    def _advance_grammars(self, progressed: list[Request]) -> None:
+        """Feeds structured-output matchers their new tokens: a rejected token ends that request alone with
+        "error", a grammar that reached its end ends it as "stop" (blocks freed now, before its output)."""
+        rejected, terminated = self.logits_processors.advance(progressed)
+        if rejected:
+            self.scheduler.finish_requests([r.request_id for r in rejected], RequestStatus.FINISHED_ERROR)
+        if terminated:
+            self.scheduler.finish_requests([r.request_id for r in terminated], RequestStatus.FINISHED_STOPPED)
 
     def _fail(self, sched, error: Exception) -> list[RequestOutput]:
         logger.error("Model step failed; its %d requests end with finish_reason 'error'. The engine can "
@@ -218,7 +245,18 @@ class LLMEngine:
         self.scheduler.rollback(sched)
         failed = self.scheduler.finish_requests([s.request.request_id for s in sched.scheduled],
                                                 RequestStatus.FINISHED_ERROR)
-        return self.output_processor.process(failed, error=error)
+        return self.output_processor.process(self._with_failed_siblings(failed), error=error)
+
+    def _with_failed_siblings(self, reqs: list[Request]) -> list[Request]:
+        """reqs, plus the siblings (aborted now) of n > 1 children that failed: one child's error ends
+        its parent request with that error."""
+        parents = self.output_processor.parents
+        ids = parents.siblings_to_abort(reqs) if parents else None
+        if not ids:
+            return reqs
+        aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        listed = set(reqs)  # a sibling that advanced this step is listed already (now aborted)
+        return reqs + [req for req in aborted if req not in listed]
 
     def _finish_stopped(self, stopped: list[tuple[Request, str]]) -> None:
         """The one way back from the output processor to the scheduler: requests whose text reached a
@@ -232,7 +270,72 @@ class LLMEngine:
     def _apply_aborts(self) -> list[Request]:
         with self._abort_lock:
             ids, self._pending_aborts = self._pending_aborts, set()
+        parents = self.output_processor.parents
+        if parents and ids:  # an n > 1 request's id aborts its n children
+            ids = parents.expand(ids)
         return self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    # ---- sleep mode --------------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the device for other work while idle: level 1 moves the weights to (pinned) CPU memory,
+        level 2 drops them (reloaded from the checkpoint on waking); both free the KV pool and reset the
+        prefix cache. As vLLM, it expects an idle engine: unfinished requests refuse it. Asleep already:
+        nothing happens."""
+        self._check_open()
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ValueError(f"level must be 1 ({SLEEP_LEVELS[1]}) or 2 ({SLEEP_LEVELS[2]}), got {level!r}")
+        if self.is_sleeping:
+            return
+        self._check_idle()
+        with deferred_interrupts():
+            self._complete_in_flight()  # a step launched for requests that finished since: tokens dropped
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            pool = self.kv_cache_manager.pool
+            pool.forget(pool.blocks)  # the cache's content goes with the pool
+            self.runner.kv_caches.clear()
+            self.runner.release_kv_cache()  # the CUDA graphs too: they hold the cache's addresses
+            self.runner.forget_last_sampled()
+            self._sleeping = put_to_sleep(self.runner.model, level)
+            live_engines.unregister(self)  # holds nothing on the device now: later engines' reports say so
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.info("Asleep (level %d): %s", level, SLEEP_LEVELS[level])
+
+    def wake_up(self) -> None:
+        """Restores the weights (same dtype and device), a KV pool of the same size and the decode CUDA
+        graphs (recaptured: the old ones held freed addresses). Awake already: nothing happens."""
+        self._check_open()
+        if self._sleeping is None:
+            return
+        with deferred_interrupts():
+            wake(self.runner.model, self._sleeping, self.device, self.model_path)
+            self.runner.allocate_kv_cache(self.pool_plan.num_blocks)
+            if self.uses_cuda_graphs:
+                self.uses_cuda_graphs = self._capture_cuda_graphs()
+            live_engines.register(self, self.config.model, self.device,
+                                  live_engines.parameter_bytes(self.runner.model),
+                                  live_engines.tensor_bytes(self.runner.kv_caches))
+            self._sleeping = None
+        logger.info("Awake: weights and a KV pool of %d blocks restored", self.pool_plan.num_blocks)
+
+    def _check_idle(self) -> None:
+        scheduler = self.scheduler
+        if scheduler.has_unfinished_requests():
+            raise RuntimeError(
+                f"cannot sleep with {len(scheduler.requests)} unfinished requests ({len(scheduler.running)} "
+                f"running, {len(scheduler.waiting)} waiting; an n > 1 request counts n): as in vLLM, the engine "
+                f"must be idle. Let them finish, or abort them (llm.abort(request_id)) first")
+
+    def _check_awake(self) -> None:
+        if self.is_sleeping:
+            raise RuntimeError(f"the engine is asleep (sleep level {self._sleeping.level}): "
+                               f"call llm.wake_up() before generating")
 
     # ---- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -19,6 +19,8 @@ import torch
 from pagednb.attention.backend import AttentionMetadata
 from pagednb.engine.block_table import BlockTable
 from pagednb.engine.cuda_graphs import DecodeGraphs
+from pagednb.engine.logits_processors import LogitsProcessors
+from pagednb.engine.logprobs import compute_prompt_logprobs
 from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
 from pagednb.engine.scheduler import SchedulerOutput
 from pagednb.engine.step_buffers import StepBuffers, StepViews
@@ -72,6 +74,7 @@ class ModelRunner:
         self.stager = PinnedStager(device)
         self._aranges = np.arange(max_num_seqs + 1, dtype=np.int32)
         self.sampler = Sampler()
+        self.logits_processors: LogitsProcessors | None = None  # set by the engine
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         # the last launch's sampled tokens (device) and each sampling request's index among them
@@ -96,6 +99,10 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         self.graphs = None  # the graphs hold the caches' addresses
         self.kv_caches = []
+
+    def forget_last_sampled(self) -> None:
+        """Drops the last launch's device tensor of sampled tokens (sleep mode: nothing will read it)."""
+        self._last_sampled = None
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int) -> int:
@@ -144,14 +151,18 @@ class ModelRunner:
         """
         self.stager.next_step()
         graph_size = self.graphs.size_for(sched) if self.graphs is not None else None
+        prompt_logprobs = None  # (a step with prompt rows is never a decode-only graph step)
         if graph_size is not None:
             sampled_reqs = self._fill_decode(sched, graph_size)
             logits = self.graphs.replay(graph_size)[:len(sampled_reqs)]
         else:
             inputs, sampled_reqs = self.prepare_inputs(sched)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            if sched.wants_prompt_logprobs:
+                prompt_logprobs = compute_prompt_logprobs(self.model, hidden, sched)
             if not sampled_reqs:
-                return LaunchedStep(None)
+                return LaunchedStep(None if prompt_logprobs is None else SamplerOutput(
+                    torch.empty(0, dtype=torch.int64), None, None, None, prompt_logprobs=prompt_logprobs))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         # built while the GPU runs the forward; its tensors travel through pinned memory, so nothing
         # here waits for the device
@@ -160,7 +171,12 @@ class ModelRunner:
             [r.prompt_token_ids for r in sampled_reqs], [r.output_token_ids for r in sampled_reqs],
             vocab_size=logits.shape[-1], device=self.device, eos_token_ids=self.eos_token_ids,
             generator=self.generator, stager=self.stager)
+        if self.logits_processors is not None and self.logits_processors.active:
+            # grammar bitmasks are filled here on the CPU, overlapping the forward queued above
+            sampling.adjustments = self.logits_processors.build(sampled_reqs, logits.shape[-1], self.device,
+                                                                self.stager)
         result = self.sampler(logits, sampling)
+        result.prompt_logprobs = prompt_logprobs
         self._last_sampled = (result.token_ids, {r.request_id: i for i, r in enumerate(sampled_reqs)})
         launched = LaunchedStep(result)
         if self.device.type == "cuda":

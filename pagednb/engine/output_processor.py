@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagednb.engine.detokenizer import IncrementalDetokenizer
-from pagednb.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagednb.engine.parallel_sampling import ParentRegistry, ParentRequest
+from pagednb.engine.logprobs import PromptLogprobs, num_logprobs
+from pagednb.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from pagednb.request import Request, RequestStatus
 from pagednb.sampling_params import RequestOutputKind
 
@@ -24,16 +26,27 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     num_detokenized: int = 0  # output tokens already fed to the detokenizer
     num_sent: int = 0  # output tokens already handed out (for DELTA outputs)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None, position 1, ...] as they arrive
+    prompt_logprobs_sent: bool = False  # (DELTA outputs carry them once, in the first output)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._tracked: dict[str, _Tracked] = {}
+        self.parents = ParentRegistry()  # n > 1 requests in flight (engine/parallel_sampling.py)
+        self._pieces: dict[int, str] = {}  # token id -> its decoded text, for Logprob.decoded_token
 
-    def add_request(self, req: Request) -> None:
-        self._tracked[req.request_id] = _Tracked(
+    def add_request(self, req: Request | ParentRequest) -> None:
+        if isinstance(req, ParentRequest):  # n > 1: each child is tracked, the parent gathers them
+            self.parents.add(req)
+            for child in req.children:
+                self.add_request(child)
+            return
+        self._tracked[req.request_id] = tracked = _Tracked(
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params))
+        if req.sampling_params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None]
 
     def process(self, reqs: list[Request], finish_stopped: StopHandler | None = None,
                 error: BaseException | None = None) -> list[RequestOutput]:
@@ -49,10 +62,15 @@ class OutputProcessor:
         return self._make_outputs(reqs, error)
 
     def record_logprobs(self, progressed: list[Request], out: SamplerOutput | None, sched: SchedulerOutput) -> None:
-        """Stores the sampled token's logprob (and the top-k) on each request that asked for them."""
-        if out is None or out.logprobs is None:
+        """Stores the sampled token's logprob and rank (and the top-k) on each request that asked for
+        them, and the step's prompt logprobs (engine/logprobs.py)."""
+        if out is None:
             return
-        values = out.logprobs.tolist()
+        if out.prompt_logprobs is not None:
+            self._record_prompt_logprobs(out.prompt_logprobs)
+        if out.logprobs is None:
+            return
+        values, ranks = out.logprobs.tolist(), out.ranks.tolist()
         top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
         row_of = {s.request.request_id: i for i, s in enumerate(s for s in sched.scheduled if s.samples)}
@@ -61,12 +79,47 @@ class OutputProcessor:
             k = req.sampling_params.logprobs
             if k is None or req.error is not None:  # asked for none, or its sampling failed: no token
                 continue
-            entry = {req.output_token_ids[-1]: values[i]}
-            if top_ids is not None:
-                k = int(min(k, len(top_ids[i])))  # (a float or a count past the vocabulary, as the sampler)
-                entry.update(zip(top_ids[i][:k], top_vals[i][:k]))
-            req.logprobs.append(entry)
+            token_id = req.output_token_ids[-1]
+            req.logprobs.append(self._position_logprobs(
+                req, token_id, values[i], ranks[i], top_ids[i] if top_ids else [], top_vals[i] if top_vals else [], k))
             req.cumulative_logprob += values[i]
+
+    def _record_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
+        """Appends each span's positions to its request's prompt logprobs; positions already there (a
+        preempted request computes its prompt again) are skipped."""
+        v = prompt.values
+        values, ranks = v.logprobs.tolist(), v.ranks.tolist()
+        top_vals = v.top_logprobs.tolist() if v.top_logprobs is not None else None
+        top_ids = v.top_token_ids.tolist() if v.top_token_ids is not None else None
+        for span in prompt.spans:
+            req = span.request
+            tracked = self._tracked.get(req.request_id)
+            if tracked is None or tracked.prompt_logprobs is None:
+                continue
+            k = req.sampling_params.prompt_logprobs
+            recorded = tracked.prompt_logprobs
+            for j in range(len(recorded) - span.first_position, span.count):
+                r = span.row_start + j
+                recorded.append(self._position_logprobs(
+                    req, req.prompt_token_ids[span.first_position + j], values[r], ranks[r],
+                    top_ids[r] if top_ids else [], top_vals[r] if top_vals else [], k))
+
+    def _position_logprobs(self, req: Request, token_id: int, logprob: float, rank: int,
+                           top_ids: list[int], top_vals: list[float], k: int) -> PositionLogprobs:
+        """{token_id: Logprob} for the chosen token, then the top-k (ranks 1..k), as vLLM orders them."""
+        decode = self._piece if req.sampling_params.detokenize else _no_text
+        entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+        k = num_logprobs(k, len(top_ids)) if top_ids else 0
+        for r, (t, value) in enumerate(zip(top_ids[:k], top_vals[:k]), start=1):
+            entry[t] = Logprob(value, r, decode(t))
+        return entry
+
+    def _piece(self, token_id: int) -> str:
+        """The token's own text, tokenizer.decode([token_id]) (as vLLM's logprobs detokenizer), cached."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self.tokenizer.decode([token_id])
+        return piece
 
     def _detokenize(self, reqs: list[Request]) -> list[tuple[Request, str]]:
         """Feeds new tokens to each request's detokenizer; returns (request, stop string) for requests
@@ -87,35 +140,73 @@ class OutputProcessor:
     def _make_outputs(self, reqs: list[Request], error: BaseException | None = None) -> list[RequestOutput]:
         outputs = []
         final_only = RequestOutputKind.FINAL_ONLY
+        parents = self.parents if self.parents else None  # None without n > 1 requests: no lookups
+        touched: dict[str, ParentRequest] | None = None
         for req in reqs:
             if req.sampling_params.output_kind is final_only and not req.is_finished:
                 continue
-            outputs.append(self._make_output(req, error if error is not None else req.error))
+            out = self._make_output(req, error if error is not None else req.error)
             if req.is_finished:
                 del self._tracked[req.request_id]
+            parent = parents.parent_of(req.request_id) if parents is not None else None
+            if parent is None:
+                outputs.append(out)
+            else:  # a child of an n > 1 request: gathered into its parent's output below
+                parent.record(out)
+                touched = touched if touched is not None else {}
+                touched[parent.request_id] = parent
+        if touched is not None:
+            outputs += self._parent_outputs(touched.values())
+        return outputs
+
+    def _parent_outputs(self, parents) -> list[RequestOutput]:
+        """One output per parent whose children advanced this step; a finished family is forgotten."""
+        outputs = []
+        for parent in parents:
+            out = parent.make_output()
+            if out is not None:
+                outputs.append(out)
+            if parent.is_finished:
+                self.parents.remove(parent)
         return outputs
 
     def _make_output(self, req: Request, error: BaseException | None) -> RequestOutput:
         tracked = self._tracked[req.request_id]
         detok = tracked.detokenizer
         delta = detok.take_delta()
-        if req.sampling_params.output_kind == RequestOutputKind.DELTA:
+        is_delta = req.sampling_params.output_kind == RequestOutputKind.DELTA
+        if is_delta:
             text, token_ids = delta, req.output_token_ids[tracked.num_sent:]
         else:
             text, token_ids = detok.output_text, list(req.output_token_ids)
-        tracked.num_sent = req.num_output_tokens
         wants_logprobs = req.sampling_params.logprobs is not None
+        # DELTA outputs carry the logprobs of their new tokens only, as vLLM's
+        logprobs = req.logprobs[tracked.num_sent if is_delta else 0:] if wants_logprobs else None
+        tracked.num_sent = req.num_output_tokens
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids, finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason, delta=delta,
             cumulative_logprob=req.cumulative_logprob if wants_logprobs else None,
-            logprobs=list(req.logprobs) if wants_logprobs else None,
+            logprobs=logprobs,
         )
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[completion], finished=req.is_finished, num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=None if tracked.prompt_logprobs is None else self._prompt_logprobs_to_send(req, tracked),
             metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time), error=error,
         )
 
+    def _prompt_logprobs_to_send(self, req: Request, tracked: _Tracked) -> list[PositionLogprobs | None] | None:
+        """The prompt logprobs in every output, or only in the first one for DELTA outputs (as vLLM)."""
+        if tracked.prompt_logprobs_sent and req.sampling_params.output_kind == RequestOutputKind.DELTA:
+            return None
+        tracked.prompt_logprobs_sent = True
+        return list(tracked.prompt_logprobs)
+
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._tracked
+        return request_id in self._tracked or (bool(self.parents) and self.parents.holds(request_id))
+
+
+def _no_text(token_id: int) -> None:
+    """decoded_token for a request with detokenize=False."""
+    return None

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagednb.engine.logprobs import PromptLogprobs, num_logprobs, token_logprobs
+from pagednb.engine.logits_processors import LogitsAdjustments, apply_logits_adjustments
 from pagednb.engine.pinned_stager import PinnedStager
 from pagednb.engine.sampling_kernel import sample_with_temperature
 from pagednb.sampling_params import SamplingParams
@@ -63,6 +65,8 @@ class SamplingMetadata:
     penalties: Penalties | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
     max_num_logprobs: int | None  # None when no row wants logprobs
+    # logit_bias, allowed_token_ids, bad_words, grammar bitmasks (set by the runner; engine/logits_processors.py)
+    adjustments: LogitsAdjustments | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -72,14 +76,15 @@ class SamplingMetadata:
     def is_plain_greedy(self) -> bool:
         """True when argmax of the raw logits is the whole answer."""
         return (self.all_greedy and self.penalties is None and self.banned is None
-                and self.max_num_logprobs is None)
+                and self.max_num_logprobs is None and self.adjustments is None)
 
     @property
     def is_plain_random(self) -> bool:
         """True when every row is a plain temperature draw (no penalties, masks, logprobs, filters or
         greedy rows): the sampling kernel's whole case, which reads the logits in the model's dtype."""
         return (self.random_rows is None and not self.all_greedy and self.top_k is None and self.min_p is None
-                and self.penalties is None and self.banned is None and self.max_num_logprobs is None)
+                and self.penalties is None and self.banned is None and self.max_num_logprobs is None
+                and self.adjustments is None)
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -103,7 +108,7 @@ class SamplingMetadata:
         filtering = [j for j, p in enumerate(rnd) if p.top_k > 0 or p.top_p < 1.0]
         filters = [rnd[j] for j in filtering]
         top_k = [_count(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in filters]
-        logprobs = [_count(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
+        logprobs = [num_logprobs(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
         return cls(
             random_rows=_index(random_idx, device) if 0 < m < n else None,
             num_random=m,
@@ -129,10 +134,13 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [n] float32, log-softmax of the raw logits at token_ids
     top_logprobs: torch.Tensor | None  # [n, k_max], descending
     top_token_ids: torch.Tensor | None  # [n, k_max]
+    ranks: torch.Tensor | None = None  # [n] int64, the sampled token's rank in the vocabulary (1 = most likely)
+    prompt_logprobs: PromptLogprobs | None = None  # set by the runner in steps with prompt-logprob rows
 
 
 class Sampler(torch.nn.Module):
-    """Order: penalties, min_tokens masking, then greedy argmax or temperature/top-k/top-p/min-p."""
+    """Order: grammar bitmask, allowed_token_ids, bad_words, logit_bias, penalties, min_tokens masking, then
+    greedy argmax or temperature/top-k/top-p/min-p."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """`logits` is [n, V] in the model's dtype or float32; it is never modified. Greedy argmax and the
@@ -142,6 +150,8 @@ class Sampler(torch.nn.Module):
         if not metadata.is_plain_random:
             logits = logits.float()
         raw = logits
+        if metadata.adjustments is not None:  # before penalties, as vLLM; logprobs stay the raw ones
+            logits = apply_logits_adjustments(logits.clone(), metadata.adjustments)
         logits = apply_penalties(logits, metadata.penalties)
         if metadata.banned is not None:
             if logits is raw:
@@ -245,12 +255,8 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties | None) -> torch.Tensor
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k_max: int | None) -> SamplerOutput:
     if k_max is None:
         return SamplerOutput(token_ids, None, None, None)
-    logprobs = raw.log_softmax(-1)
-    chosen = logprobs.gather(1, token_ids.clamp(min=0).unsqueeze(1)).squeeze(1)  # flagged rows: read, unused
-    if k_max == 0:
-        return SamplerOutput(token_ids, chosen, None, None)
-    top = logprobs.topk(k_max, dim=-1)
-    return SamplerOutput(token_ids, chosen, top.values, top.indices)
+    lp = token_logprobs(raw.log_softmax(-1), token_ids, k_max)  # flagged rows: read at token 0, unused
+    return SamplerOutput(token_ids, lp.logprobs, lp.top_logprobs, lp.top_token_ids, lp.ranks)
 
 
 def _build_penalties(params: list[SamplingParams], prompts: list[list[int]],

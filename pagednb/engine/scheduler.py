@@ -38,6 +38,9 @@ class SchedulerOutput:
     # Requests that left the running set since the last step (finished, aborted, preempted): the
     # model runner drops their rows.
     released_request_ids: list[str] = field(default_factory=list)
+    # Some unfinished request asked for prompt logprobs: the runner looks for prompt rows to score
+    # (engine/logprobs.py); False on every plain step, which never looks.
+    wants_prompt_logprobs: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -60,11 +63,14 @@ class Scheduler:
         # Requests whose block-table row the runner may have lost (an interrupted step): their next
         # scheduling sends the whole block list again.
         self._resync: set[str] = set()
+        self._prompt_logprob_ids: set[str] = set()  # unfinished requests with prompt_logprobs
 
     # ---- request lifecycle -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.add(req)
+        if req.sampling_params.prompt_logprobs is not None:
+            self._prompt_logprob_ids.add(req.request_id)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         """Ends requests wherever they are (waiting or running) and frees their blocks at once."""
@@ -102,6 +108,7 @@ class Scheduler:
             if s.samples:
                 s.request.num_pending_tokens += 1
         out.released_request_ids, self._released = self._released, []
+        out.wants_prompt_logprobs = bool(self._prompt_logprob_ids)
         return out
 
     def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
@@ -250,4 +257,5 @@ class Scheduler:
         else:
             self.kv.free(req)
         self._released.append(req.request_id)
+        self._prompt_logprob_ids.discard(req.request_id)
         del self.requests[req.request_id]

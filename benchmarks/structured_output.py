@@ -1,0 +1,101 @@
+"""What a JSON-schema bitmask adds to a decode step: batch 64, random bf16 weights of the Qwen3-0.6B shape.
+
+Three runs of the same 64 requests (32-token random prompts, 128 output tokens, greedy):
+- plain: no grammar (asynchronous scheduling, the default on a GPU);
+- plain, synchronous: no grammar, async scheduling off (a structured request turns it off, because its
+  matcher needs each token on the host before the next bitmask; this row separates that cost);
+- json schema: every request has a JSON schema (an object with one free string), the bitmask filled on the
+  CPU while the forward runs and applied on the GPU in the sampler.
+The figure is the generate call's wall time over its engine steps (one prefill step, the rest decode at
+64 rows: output tokens / 64 says whether rows ended early); the table shows the added fraction over each
+plain run (target < 10% over plain). Not timed per step: reading each step's events back would stall
+the asynchronous run.
+
+The vocabulary: the shape's 151,936 ids, as a word-level tokenizer whose first ids are the printable ASCII
+characters (JSON's punctuation among them) and the rest random 2-8 character strings of letters and
+digits (seed 0), so xgrammar's mask work covers a real vocabulary's size. With random weights a request
+almost never closes its string, so all 64 rows stay in every step.
+
+    python benchmarks/structured_output.py [--shape qwen3-0.6b] [--steps 128]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import string
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import print_table, save
+from shapes import SHAPES, make_model_dir
+
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def character_tokenizer(path: Path, vocab_size: int) -> None:
+    """Replaces make_model_dir's tokenizer with one of vocab_size strings (see the module docstring)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    pieces = ["<eos>"] + [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+    seen = set(pieces)
+    while len(pieces) < vocab_size:
+        piece = "".join(rng.choices(string.ascii_letters + string.digits, k=rng.randint(2, 8)))
+        if piece not in seen:
+            seen.add(piece)
+            pieces.append(piece)
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+
+
+def run(model_dir: Path, structured: bool, async_scheduling: bool | None, args) -> dict:
+    from pagednb import LLM, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(str(model_dir), max_model_len=512, max_num_seqs=args.batch, async_scheduling=async_scheduling,
+              gpu_memory_utilization=0.5)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, SHAPES[args.shape]["vocab_size"]) for _ in range(32)] for _ in range(args.batch)]
+    spec = StructuredOutputsParams(json=SCHEMA) if structured else None
+    params = SamplingParams(temperature=0, max_tokens=args.steps, structured_outputs=spec)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up (and the grammar compiled once)
+    before = llm.stats()["steps"]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    steps = llm.stats()["steps"] - before
+    llm.close()
+    return {"structured": structured, "async_scheduling": async_scheduling, "wall_s": wall, "steps": steps,
+            "step_ms": wall / steps * 1e3, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-0.6b" if torch.cuda.is_available() else "tiny", choices=SHAPES)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=128)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model_dir(args.shape, Path(tmp))
+        character_tokenizer(model_dir, SHAPES[args.shape]["vocab_size"])
+        runs = {"plain": run(model_dir, False, None, args),
+                "plain, synchronous": run(model_dir, False, False, args),
+                "json schema": run(model_dir, True, None, args)}
+    base, sync = runs["plain"]["step_ms"], runs["plain, synchronous"]["step_ms"]
+    rows = [[name, r["steps"], r["output_tokens"], r["step_ms"], r["step_ms"] / base - 1, r["step_ms"] / sync - 1]
+            for name, r in runs.items()]
+    print_table(["run", "steps", "output tokens", "ms/step", "added vs plain", "added vs sync"], rows)
+    added = runs["json schema"]["step_ms"] / base - 1
+    print(f"JSON-schema bitmask adds {added:.1%} to the step time (target < 10%)")
+    path = save(f"structured_output_{args.shape}", {"shape": args.shape, "batch": args.batch, "runs": runs,
+                                                    "added_fraction": added})
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
