@@ -17,7 +17,11 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    engine = LLM(str(tiny_model_dir("llama")), num_kv_blocks=128, max_model_len=256)
+    # float32 on the CPU, synchronous: these tests count outputs step by step, poison logits through the
+    # model's Python compute_logits and compare completions bit for bit across batch compositions and
+    # recomputation (the asynchronous-scheduling test below runs on the GPU where there is one)
+    engine = LLM(str(tiny_model_dir("llama")), num_kv_blocks=128, max_model_len=256, device="cpu",
+                 async_scheduling=False)
     yield engine
     engine.close()
 
@@ -273,7 +277,8 @@ def test_asynchronous_scheduling_gives_the_same_completions(tiny_model_dir, llm)
     """With the host a step ahead (the GPU default; forced here on the CPU), children still fan in right."""
     params = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=77)
     expected = [c.token_ids for c in llm.generate("async family", params, use_tqdm=False)[0].outputs]
-    with LLM(str(tiny_model_dir("llama")), num_kv_blocks=128, max_model_len=256, async_scheduling=True) as other:
+    with LLM(str(tiny_model_dir("llama")), num_kv_blocks=128, max_model_len=256, device="cpu",
+             async_scheduling=True) as other:
         got = other.generate(["async family", "x"], [params, SamplingParams(max_tokens=3)], use_tqdm=False)
         assert [c.token_ids for c in got[0].outputs] == expected
         assert other.stats()["used_blocks"] == 0
@@ -286,7 +291,7 @@ def test_children_preempted_under_memory_pressure_give_the_same_completions(tiny
     params = SamplingParams(n=4, temperature=1.0, max_tokens=40, ignore_eos=True, seed=11)
     prompt = {"prompt_token_ids": prompt_ids(4, 2 * BLOCK + 2, llm.engine.spec.vocab_size)}
     expected = [c.token_ids for c in llm.generate(prompt, params, use_tqdm=False)[0].outputs]
-    with LLM(str(tiny_model_dir("llama")), num_kv_blocks=8, max_model_len=128) as small:
+    with LLM(str(tiny_model_dir("llama")), num_kv_blocks=8, max_model_len=128, device="cpu") as small:
         got = small.generate(prompt, params, use_tqdm=False)[0]
         assert small.stats()["preemptions"] > 0
         assert [c.token_ids for c in got.outputs] == expected
