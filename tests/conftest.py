@@ -20,3 +20,15 @@ def tiny_model_dir(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture
+def pool_checked_after_each_test(request):
+    """For modules that share one `llm` across tests (`pytestmark = pytest.mark.usefixtures(...)`): after each
+    test that used it, no block is still in use and the pool's bookkeeping is intact."""
+    yield
+    if "llm" in request.fixturenames:
+        llm = request.getfixturevalue("llm")
+        if not llm.engine.closed:
+            assert llm.stats()["used_blocks"] == 0
+            llm.engine.check_integrity()

@@ -10,21 +10,14 @@ from pagednb import LLM, RequestOutputKind, SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+pytestmark = pytest.mark.usefixtures("pool_checked_after_each_test")
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     engine = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, max_model_len=256)
     yield engine
     engine.close()
-
-
-@pytest.fixture(autouse=True)
-def pool_is_clean_after_each_test(request):
-    yield
-    if "llm" in request.fixturenames:
-        llm = request.getfixturevalue("llm")
-        if not llm.engine.closed:
-            assert llm.stats()["used_blocks"] == 0
-            llm.engine.check_integrity()
 
 
 def texts(outs):

@@ -15,6 +15,9 @@ from pagednb.request import SamplingError
 BLOCK = 16
 
 
+pytestmark = pytest.mark.usefixtures("pool_checked_after_each_test")
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     # float32 on the CPU, synchronous: these tests count outputs step by step, poison logits through the
@@ -24,15 +27,6 @@ def llm(tiny_model_dir):
                  async_scheduling=False)
     yield engine
     engine.close()
-
-
-@pytest.fixture(autouse=True)
-def pool_is_clean_after_each_test(request):
-    yield
-    if "llm" in request.fixturenames:
-        llm = request.getfixturevalue("llm")
-        assert llm.stats()["used_blocks"] == 0
-        llm.engine.check_integrity()
 
 
 def prompt_ids(seed: int, length: int, vocab: int) -> list[int]:
