@@ -34,6 +34,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options) -> None:
+        self._servers: list = []  # OpenAI servers started by serve(), stopped by close()
         self.engine = LLMEngine(_engine_config(model, options))
         self.driver = EngineDriver(self.engine)
 
@@ -138,6 +139,20 @@ class LLM:
         with finish_reason "abort" at the next step boundary and its blocks return to the pool."""
         self.driver.abort(request_id)
 
+    # ---- serving ---------------------------------------------------------------------------------
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+              model_name: str | None = None):
+        """Serves this LLM over OpenAI's API (`pip install "pagednb[serve]"`) and returns the running
+        `pagednb.serving.server.Server` at once (`.url`, `.stop()`). In a notebook it runs as a task on
+        the kernel's loop, sharing this engine with the cells' own calls; `close()` stops it. With an
+        `api_key`, clients must send it; binding anything but loopback without one logs a warning."""
+        from pagednb.serving.server import Server, announce
+
+        server = Server(self, host, port, api_key, model_name).start()
+        self._servers.append(server)
+        announce(server)
+        return server
+
     # ---- engine state ----------------------------------------------------------------------------
     def stats(self) -> dict:
         """Pool and scheduler counters: blocks used/free/cached, running/waiting, preemptions, hits."""
@@ -193,8 +208,13 @@ class LLM:
 
     def close(self) -> None:
         """Stops the engine loop, aborts every request, and frees the model and KV cache memory (also
-        while other references to this LLM remain, say in a notebook's output history)."""
-        self.driver.close()
+        while other references to this LLM remain, say in a notebook's output history); stops its servers."""
+        servers, self._servers = self._servers, []
+        try:
+            self.driver.close()  # first: every request under way ends, so their responses end too
+        finally:
+            for server in servers:
+                server.stop()
 
     def __del__(self) -> None:
         """`del llm`, or re-running `llm = LLM(...)`, gives the memory back at once (streams keep their

@@ -72,6 +72,19 @@ class RequestStream:
         self._done = out.finished
         return out
 
+    def take_ready(self) -> list[RequestOutput]:
+        """The outputs already queued, without waiting: a consumer that sends less often than the engine
+        steps (the HTTP server) takes them together. Raises the request's error as __anext__ does."""
+        ready = []
+        while not self._done and not self._queue.empty():
+            out = self._queue.get_nowait()
+            if out.error is not None:
+                self._done = True
+                raise out.error
+            self._done = out.finished
+            ready.append(out)
+        return ready
+
     async def __aenter__(self) -> RequestStream:
         return self
 

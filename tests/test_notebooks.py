@@ -27,11 +27,11 @@ KERNEL_ENV = {
 }
 
 
-def test_the_eight_tutorials_are_there():
+def test_the_nine_tutorials_are_there():
     names = [p.name for p in NOTEBOOKS]
     assert names == ["01_quickstart.ipynb", "02_paged_kv_cache.ipynb", "03_continuous_batching.ipynb",
                      "04_prefix_caching.ipynb", "05_memory_pressure.ipynb", "06_chat.ipynb",
-                     "07_cuda_kernels.ipynb", "08_sampling_and_structured_output.ipynb"], names
+                     "07_cuda_kernels.ipynb", "08_sampling_and_structured_output.ipynb", "09_serving.ipynb"], names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
