@@ -45,7 +45,10 @@ class LLM:
         """Runs every prompt to completion; outputs come back in input order.
 
         All prompts are checked before any is queued, so a bad one raises without side effects. An
-        interrupt (KeyboardInterrupt) aborts this call's requests and leaves the engine usable.
+        interrupt (KeyboardInterrupt) aborts this call's requests and leaves the engine usable. A request
+        that fails while running (finish_reason "error") does not stop the others: they run to the end,
+        then the first failed request's error is raised, with a note naming every failed request and
+        `.outputs` holding all the outputs (vLLM returns them instead; pagednb does not fail silently).
         """
         prompts = _as_prompt_list(prompts)
         params = _broadcast("sampling_params", sampling_params, len(prompts))
@@ -98,10 +101,10 @@ class LLM:
             finally:
                 if bar is not None:
                     bar.close()
-        errors = [out.error for out in finals.values() if out.error is not None]
-        if errors:
-            raise errors[0]
-        return [finals[r] for r in ids]
+        outputs = [finals[r] for r in ids]
+        if any(out.error is not None for out in outputs):
+            raise _batch_error(outputs)
+        return outputs
 
     def _abort_unfinished(self, request_ids: list[str]) -> None:
         """Aborts the given requests and runs the step that applies it (their blocks come back)."""
@@ -231,6 +234,18 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _batch_error(outputs: list[RequestOutput]) -> BaseException:
+    """The first failed request's error, carrying every output of the batch (`error.outputs`, in input
+    order) and a note naming each failed request and its error."""
+    failed = [out for out in outputs if out.error is not None]
+    error = failed[0].error
+    error.outputs = outputs
+    listed = "; ".join(f"{out.request_id}: {out.error!r}" for out in failed)
+    error.add_note(f"{len(failed)} of {len(outputs)} requests failed ({listed}); the other requests finished, and "
+                   f"this exception's .outputs holds every RequestOutput in input order")
+    return error
 
 
 def _as_prompt_list(prompts) -> list:

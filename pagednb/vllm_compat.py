@@ -46,6 +46,9 @@ IGNORED_WHEN: dict[str, tuple] = {
     "tokenizer_revision": (None,),
     "code_revision": (None,),
     "served_model_name": (_ANY,),
+    # pagednb's logprobs are vLLM's default mode, raw_logprobs (engine/logprobs.py); the others
+    # (raw_logits, processed_logprobs, processed_logits) are refused
+    "logprobs_mode": ("raw_logprobs",),
 }
 
 

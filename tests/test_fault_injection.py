@@ -43,12 +43,12 @@ def poison_logits(llm, request_id: str, output_token: int, value: float):
     real_launch, real_logits = runner.launch, runner.model.compute_logits
     target: dict = {"row": None}
 
-    def launch(sched):
+    def launch(sched, *args):
         rows = [s.request for s in sched.scheduled if s.samples]
         # the token this step samples is output number len(output) + pending (pending counts it already)
         target["row"] = next((i for i, r in enumerate(rows) if r.request_id == request_id
                               and r.num_output_tokens + r.num_pending_tokens == output_token), None)
-        return real_launch(sched)
+        return real_launch(sched, *args)
 
     def compute_logits(hidden):
         logits = real_logits(hidden)

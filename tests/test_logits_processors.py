@@ -92,7 +92,7 @@ def test_bad_word_last_token_banned_only_after_its_prefix():
 
 def test_apply_adjustments_order_and_rows():
     logits = torch.zeros(3, 8)
-    adj = LogitsAdjustments(bitmask=None, allowed_rows=torch.tensor([1]), allowed_positions=torch.tensor([2, 5]),
+    adj = LogitsAdjustments(allowed_rows=torch.tensor([1]), allowed_positions=torch.tensor([2, 5]),
                             banned_positions=torch.tensor([0 * 8 + 4, 1 * 8 + 5]),
                             bias_positions=torch.tensor([2 * 8 + 6, 1 * 8 + 2]),
                             bias_values=torch.tensor([3.0, -1.0]))

@@ -186,11 +186,11 @@ class poisoned_child:
         self.real = self.runner.launch, self.runner.model.compute_logits
         self.row = None
 
-    def launch(self, sched):
+    def launch(self, sched, *args):
         rows = [s.request for s in sched.scheduled if s.samples]
         self.row = next((i for i, r in enumerate(rows) if r.request_id.startswith("1_")
                          and r.num_output_tokens + r.num_pending_tokens == 2), None)
-        return self.real[0](sched)
+        return self.real[0](sched, *args)
 
     def compute_logits(self, hidden):
         logits = self.real[1](hidden)

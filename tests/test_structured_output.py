@@ -17,7 +17,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from gpu_support import CUDA, GPU_REASON  # noqa: E402
 from pagednb import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from pagednb.engine.structured_output import GrammarCache, choice_grammar, import_xgrammar  # noqa: E402
+from pagednb.engine.structured_output import (  # noqa: E402
+    GrammarCache, choice_grammar, import_xgrammar, mask_disallowed)
 
 PROMPTS = ["Once upon a time", "The cat", "Write JSON:", "A story about a frog", "Hello"]
 
@@ -176,11 +177,11 @@ def test_params_need_exactly_one_valid_field(kwargs, error):
         StructuredOutputsParams(**kwargs)
 
 
-def test_structured_requests_make_steps_synchronous(llm):
+def test_structured_requests_keep_steps_asynchronous(llm):
+    """Only the sampling of a grammar's step waits for the last token, not the whole step."""
     req = llm.llm_engine.make_request(None, "Hi", SamplingParams(
         structured_outputs=StructuredOutputsParams(regex="a+")))
-    plain = llm.llm_engine.make_request(None, "Hi", SamplingParams())
-    assert req.needs_output_history and not plain.needs_output_history
+    assert not req.needs_output_history
 
 
 def test_compiled_grammars_are_cached(llm):
@@ -212,7 +213,7 @@ def test_a_rejected_token_ends_that_request_alone_with_error(llm):
                 finals[out.request_id] = out.outputs[0]
     assert finals["rejected"].finish_reason == "error"
     assert finals["accepted"].finish_reason == "stop" and re.fullmatch("[a-z]{5,10}", finals["accepted"].text)
-    assert not engine.logits_processors.active  # finished requests are forgotten: plain steps again
+    assert not engine.logits_processors.has_grammars  # finished requests are forgotten: plain steps again
 
 
 def test_bitmask_on_cpu_masks_exactly_what_the_grammar_forbids(llm):
@@ -220,11 +221,10 @@ def test_bitmask_on_cpu_masks_exactly_what_the_grammar_forbids(llm):
     cache = GrammarCache(engine.tokenizer, engine.spec.vocab_size, sorted(engine.eos_token_ids))
     state = cache.new_state(StructuredOutputsParams(regex="ab+"))
     vocab = engine.spec.vocab_size
-    bitmask = cache.allocate_bitmask(3)
-    state.fill(bitmask, 1)
+    bitmask = torch.zeros(3, cache.bitmask_width, dtype=torch.int32)  # rows 0 and 2: set by fill_bitmask
+    cache.fill_bitmask(bitmask, [state], [1])
     logits = torch.randn(3, vocab)
-    masked = logits.clone()
-    cache.apply_bitmask(masked, bitmask, rows=[1])
+    masked = mask_disallowed(logits, bitmask)
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])  # other rows untouched
     allowed = torch.isfinite(masked[1])
     vocab_text = [engine.tokenizer.decode([t]) for t in range(vocab)]
@@ -248,8 +248,6 @@ def test_missing_xgrammar_says_how_to_install(monkeypatch):
 def test_bitmask_on_cuda_matches_cpu_for_a_greedy_batch(llm):
     """The sampler's bitmask path on the GPU picks the same greedy tokens as on the CPU."""
     from pagednb.engine.sampler import Sampler, SamplingMetadata
-    from pagednb.engine.logits_processors import LogitsAdjustments
-    from pagednb.engine.structured_output import GrammarBitmask
     engine = llm.llm_engine
     vocab = engine.spec.vocab_size
     cache = GrammarCache(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
@@ -257,14 +255,13 @@ def test_bitmask_on_cuda_matches_cpu_for_a_greedy_batch(llm):
              StructuredOutputsParams(choice=["yes", "no"])]
     rows = list(range(0, 64, 2))
     bitmask = cache.allocate_bitmask(64)
-    for j, row in enumerate(rows):
-        cache.new_state(specs[j % 3]).fill(bitmask, row)
+    cache.fill_bitmask(bitmask, [cache.new_state(specs[j % 3]) for j in range(len(rows))], rows)
     logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0))
     tokens = {}
     for device in ("cpu", "cuda"):
         md = SamplingMetadata.build([SamplingParams(temperature=0)] * 64, [None] * 64, [[1]] * 64, [[]] * 64,
                                     vocab, torch.device(device))
-        md.adjustments = LogitsAdjustments(GrammarBitmask(bitmask.to(device), rows), None, None, None, None, None)
+        md.grammar_bitmask = bitmask.to(device)
         tokens[device] = Sampler()(logits.to(device), md).token_ids.cpu()
     assert torch.equal(tokens["cpu"], tokens["cuda"])
     for row in rows:
@@ -296,3 +293,130 @@ def test_async_scheduling_engine_keeps_grammars_in_step():
         assert len(finals["plain-0"].token_ids) == len(finals["plain-1"].token_ids) == 8
     finally:
         llm.close()
+
+
+# ---- structured output pipelined with asynchronous scheduling --------------------------------------------
+OBJECT_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                  "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+def _mixed_batch():
+    """Plain rows (greedy, seeded random, logprobs) beside JSON-schema and regex rows of one batch."""
+    json_params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        json=OBJECT_SCHEMA))
+    regex_params = SamplingParams(temperature=0.9, seed=11, max_tokens=30,
+                                  structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,6}-[0-9]{2,4}"))
+    plain = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+             SamplingParams(temperature=0.8, seed=4, max_tokens=25, logprobs=2)]
+    params = [json_params, plain[0], regex_params, json_params, plain[1], json_params, regex_params, plain[0]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    return prompts, params
+
+
+def _run_stepwise(llm, prompts, params):
+    """Adds the requests one step apart (joining while others decode, a step in flight) and steps to the
+    end; returns {request id: final CompletionOutput} and how many samplings waited for their matchers."""
+    engine, deferred = llm.llm_engine, []
+    launch = engine.runner.launch
+
+    def counting_launch(sched, defer_sampling=False):
+        deferred.append(defer_sampling)
+        return launch(sched, defer_sampling)
+    engine.runner.launch = counting_launch
+    finals = {}
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", prompt, p)
+            finals.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    finally:
+        engine.runner.launch = launch
+    engine.check_integrity()
+    return finals, sum(deferred)
+
+
+def _completion(c):
+    return c.token_ids, c.text, c.finish_reason, [lp and sorted(lp.items()) for lp in c.logprobs or []]
+
+
+def test_asynchronous_grammar_steps_equal_synchronous_ones_token_for_token():
+    """With asynchronous scheduling the step after a grammar row's token launches its forward first and
+    samples once the matcher took the token: outputs identical to the synchronous engine's, every JSON
+    output valid, and the steps did overlap (samplings deferred, no synchronous fallback)."""
+    prompts, params = _mixed_batch()
+    runs = {}
+    for async_scheduling in (False, True):
+        with LLM(async_scheduling=async_scheduling) as llm:
+            runs[async_scheduling] = _run_stepwise(llm, prompts, params)
+            assert not llm.llm_engine.needs_sync
+            assert not llm.llm_engine.logits_processors.has_grammars  # finished requests forgotten
+            assert llm.stats()["used_blocks"] == 0
+    (sync, sync_deferred), (overlapped, deferred) = runs[False], runs[True]
+    assert sync_deferred == 0 and deferred > 10
+    assert {k: _completion(c) for k, c in overlapped.items()} == {k: _completion(c) for k, c in sync.items()}
+    for i, p in enumerate(params):
+        spec = p.structured_outputs
+        if spec is not None and spec.json is not None:
+            assert overlapped[f"r{i}"].finish_reason == "stop", overlapped[f"r{i}"].text
+            jsonschema.validate(json.loads(overlapped[f"r{i}"].text), OBJECT_SCHEMA)
+
+
+def test_invalid_grammar_refused_at_add_time_while_others_keep_running():
+    """A spec that does not compile raises ValueError naming its field as it is added, with grammar and
+    plain requests in flight on an asynchronous engine; they finish exactly as without it."""
+    prompts, params = _mixed_batch()
+    runs = []
+    for add_bad in (False, True):
+        with LLM(async_scheduling=True) as llm:
+            engine = llm.llm_engine
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                engine.add_request(f"r{i}", prompt, p)
+            engine.step()
+            engine.step()
+            assert engine._in_flight  # a step in flight, grammar rows decoding
+            if add_bad:
+                with pytest.raises(ValueError, match=r"structured_outputs\.regex could not be compiled"):
+                    engine.add_request("bad", "Hello", SamplingParams(structured_outputs=StructuredOutputsParams(
+                        regex="([a-z")))
+                assert "bad" not in engine.scheduler.requests
+            finals = {}
+            while engine.has_unfinished_requests():
+                finals.update((o.request_id, _completion(o.outputs[0])) for o in engine.step() if o.finished)
+            runs.append(finals)
+    assert len(runs[1]) == len(params) and runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mask_disallowed_matches_xgrammars_kernel(dtype):
+    """The sampler's bit unpacking (any dtype, a copy) masks exactly what xgrammar's CPU kernel masks in place,
+    including a vocabulary that is not a multiple of 32."""
+    vocab = 1000
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-vocab // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab)
+    masked = mask_disallowed(logits, bitmask)
+    assert masked.dtype == dtype and torch.equal(masked, expected)
+    assert torch.isinf(masked).sum() > 1000 and torch.isfinite(logits).all()  # masked a lot; input untouched
+
+
+def test_greedy_grammar_rows_sample_from_model_dtype_logits_like_float32():
+    """A greedy batch with a bitmask argmaxes the masked bf16 logits (no float32 copy); the tokens are those
+    of the masked float32 copy."""
+    from pagednb.engine.sampler import Sampler, SamplingMetadata
+    vocab, n = 3000, 16
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(n, vocab, generator=gen).to(torch.bfloat16)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (n, -(-vocab // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[3] = -1  # a row without a grammar
+    md = SamplingMetadata.build([SamplingParams(temperature=0)] * n, [None] * n, [[1]] * n, [[]] * n, vocab,
+                                torch.device("cpu"))
+    md.grammar_bitmask = bitmask
+    tokens = Sampler()(logits, md).token_ids
+    expected = mask_disallowed(logits.float(), bitmask).argmax(-1)
+    assert torch.equal(tokens, expected)
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    assert all(bits[i].flatten()[tokens[i]] == 1 for i in range(n))

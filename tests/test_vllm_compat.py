@@ -61,6 +61,7 @@ def test_get_metrics_lists_counters_and_gauges_from_stats(llm):
     ("quantization", "awq"), ("swap_space", 8), ("cpu_offload_gb", 4), ("tensor_parallel_size", 2),
     ("pipeline_parallel_size", 2), ("speculative_config", {"method": "ngram"}), ("kv_cache_dtype", "fp8"),
     ("enable_lora", True), ("max_loras", 4), ("enable_chunked_prefill", False), ("tensor_parallel_size", True),
+    ("logprobs_mode", "processed_logprobs"), ("logprobs_mode", "raw_logits"), ("logprobs_mode", "processed_logits"),
 ])
 def test_vllm_only_options_are_refused_naming_them(model, name, value):
     with pytest.raises(ValueError, match=rf"pagednb does not support {name}=.*\(a vLLM option\)"):
@@ -70,7 +71,7 @@ def test_vllm_only_options_are_refused_naming_them(model, name, value):
 def test_harmless_vllm_options_are_accepted_and_ignored(model):
     harmless = dict(tensor_parallel_size=1, pipeline_parallel_size=1, disable_log_stats=True, swap_space=4,
                     quantization=None, kv_cache_dtype="auto", enable_lora=False, enable_chunked_prefill=True,
-                    cpu_offload_gb=0)
+                    cpu_offload_gb=0, logprobs_mode="raw_logprobs")
     with LLM(model, num_kv_blocks=8, max_model_len=64, **harmless) as llm:
         assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
     assert all(name in IGNORED_WHEN for name in harmless)
@@ -79,3 +80,27 @@ def test_harmless_vllm_options_are_accepted_and_ignored(model):
 def test_unknown_options_keep_the_type_error_listing_pagednb_options(model):
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_num_seq'.*max_num_seqs"):
         LLM(model, max_num_seq=4)
+
+
+def test_logprobs_mode_names_the_one_mode_pagednb_returns(model):
+    """vLLM's default mode (raw logprobs) is what pagednb computes; the processed ones are refused by name."""
+    with pytest.raises(ValueError, match=r"logprobs_mode='processed_logprobs'.*only logprobs_mode='raw_logprobs'"):
+        LLM(model, num_kv_blocks=8, logprobs_mode="processed_logprobs")
+
+
+def test_a_failed_request_does_not_cost_the_batch_its_outputs(llm):
+    """vLLM's generate returns every output; pagednb raises the first failed request's error, but only once
+    the batch ran to the end: the error names every failed request and carries all outputs, in order."""
+    tokenizer = llm.engine.tokenizer
+    word, token = next((w, t) for t in range(3, llm.engine.spec.vocab_size) for w in [tokenizer.decode([t]).strip()]
+                       if w and tokenizer.encode(w, add_special_tokens=False) == [t])
+    nothing_left = SamplingParams(max_tokens=3, allowed_token_ids=[token], bad_words=[word])  # no token to sample
+    fine = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(Exception) as caught:
+        llm.generate(["a", "b", "c", "d"], [fine, nothing_left, fine, nothing_left], use_tqdm=False)
+    outputs = caught.value.outputs
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length", "error"]
+    assert caught.value is outputs[1].error
+    assert [len(o.outputs[0].token_ids) for o in outputs[::2]] == [4, 4]
+    assert any(f"{outputs[1].request_id}:" in note and f"{outputs[3].request_id}:" in note and "2 of 4" in note
+               for note in caught.value.__notes__)

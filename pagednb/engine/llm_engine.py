@@ -182,22 +182,26 @@ class LLMEngine:
             self.runner.release_requests(sched.released_request_ids)
             launched = False
             if sched.scheduled:
-                launched, failed = self._launch(sched)
+                # grammar rows can only be masked once the older step's tokens reached their matchers
+                defer = overlap and bool(self._in_flight) and self.logits_processors.has_grammars
+                launched, failed = self._launch(sched, defer)
                 outputs += failed
             # keep the step just launched in flight (its tokens are read at the next call), nothing older
             outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
+            outputs += self._sample_deferred()
             return self.output_processor.process(aborted) + outputs
 
     @property
     def needs_sync(self) -> bool:
         """Whether the next step runs synchronously: a running request's sampling reads its output so
-        far (penalties, min_tokens), so it needs the last token first. Tells why steps don't overlap."""
+        far (penalties, min_tokens, bad_words), so it needs the last token first. Tells why steps don't
+        overlap. (Grammars don't: their sampling waits for the last token instead, see _sample_deferred.)"""
         return any(req.needs_output_history for req in self.scheduler.running)
 
-    def _launch(self, sched) -> tuple[bool, list[RequestOutput]]:
+    def _launch(self, sched, defer_sampling: bool = False) -> tuple[bool, list[RequestOutput]]:
         """Queues the step; (True, []) or, when the launch raised, (False, the failed requests' outputs)."""
         try:
-            launched = self.runner.launch(sched)
+            launched = self.runner.launch(sched, defer_sampling)
         except Exception as error:  # the step's requests end with "error"; the engine stays usable
             return False, self._fail(sched, error)
         except BaseException:  # KeyboardInterrupt mid-launch: as if the step never ran; the caller decides
@@ -205,6 +209,20 @@ class LLMEngine:
             raise
         self._in_flight.append((sched, launched))
         return True, []
+
+    def _sample_deferred(self) -> list[RequestOutput]:
+        """Queues the sampling of the step just launched if it was deferred: structured output with
+        asynchronous scheduling (engine/structured_output.py). Its forward is still running on the
+        device while the host fills the grammar rows. Returns the failed requests' outputs if it raised."""
+        if not self._in_flight or self._in_flight[-1][1].pending is None:
+            return []
+        sched, launched = self._in_flight[-1]
+        try:
+            self.runner.sample(launched)
+        except Exception as error:
+            self._in_flight.pop()
+            return self._fail(sched, error)
+        return []
 
     def _complete_in_flight(self, keep: int = 0) -> list[RequestOutput]:
         """Finishes launched steps, oldest first, until `keep` remain in flight."""

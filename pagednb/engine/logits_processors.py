@@ -4,11 +4,14 @@ Three stages, each where its data is:
 - `prepare` (add time, engine thread): checks token ids against the model's vocabulary, tokenizes the
   bad words and compiles the grammar (a bad one raises ValueError naming its field, nothing queued);
   the result lives on the request (`Request.logits_state`).
-- `build` (each step, on the host while the device runs the forward): one `LogitsAdjustments` of flat
-  positions and values for the step's sampled rows, plus the grammar bitmask rows; None when no sampled
-  row uses any of these, so the sampler's plain paths stay as they are.
-- `apply_logits_adjustments` (in the sampler, on the device, float32): bitmask, allowed ids, bad words,
-  bias, in vLLM's order (all before penalties; logprobs stay those of the raw logits, vLLM's default).
+- each step, on the host while the device runs the forward: `build` gives one `LogitsAdjustments` of
+  flat positions and values for the sampled rows (None when no row uses any, so the sampler's plain
+  paths stay as they are); `grammar_bitmask` fills the grammar rows, right before the step's sampling
+  (which, with asynchronous scheduling, waits until the previous step's tokens reached the matchers:
+  see engine/structured_output.py).
+- on the device, in the sampler: the grammar bitmask first (a masked copy in the model's dtype), then
+  `apply_logits_adjustments` (float32): allowed ids, bad words, bias, in vLLM's order (all before
+  penalties; logprobs stay those of the raw logits, vLLM's default).
 
 bad_words follows vLLM: each word is tokenized as is and with a leading space, and a word's last token
 is banned when the output so far ends with the rest of its tokens (a one-token word is always banned).
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pagednb.engine.pinned_stager import PinnedStager
-from pagednb.engine.structured_output import GrammarBitmask, GrammarCache, StructuredState, apply_grammar_bitmask
+from pagednb.engine.structured_output import GrammarCache, StructuredState
 from pagednb.request import Request
 
 
@@ -40,7 +43,6 @@ class RequestLogitsState:
 class LogitsAdjustments:
     """One step's masks and biases over the [n, V] logits; a field is None when no row uses it."""
 
-    bitmask: GrammarBitmask | None
     allowed_rows: torch.Tensor | None  # [a] rows restricted to allowed_token_ids
     allowed_positions: torch.Tensor | None  # flat positions into the [a, V] mask of those rows
     banned_positions: torch.Tensor | None  # flat positions (row * V + token) forced to -inf (bad words)
@@ -56,8 +58,12 @@ class LogitsProcessors:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.grammars: GrammarCache | None = None  # built at the first structured request (xgrammar is optional)
-        self._live: dict[str, Request] = {}  # queued requests that use any processor; pruned each step
-        self._pinned: torch.Tensor | None = None  # reused host bitmask (steps with grammars run synchronously)
+        # queued requests, pruned each step: those with logit_bias / allowed_token_ids / bad_words, and
+        # those with a grammar (a request may be in both)
+        self._adjusted: dict[str, Request] = {}
+        self._structured: dict[str, Request] = {}
+        self._pinned: torch.Tensor | None = None  # host bitmask, reused once its last copy is done
+        self._copied: torch.cuda.Event | None = None  # recorded after the pinned bitmask's last copy
 
     # ---- add time -----------------------------------------------------------------------------------
     def prepare(self, req: Request) -> None:
@@ -93,20 +99,30 @@ class LogitsProcessors:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def register(self, req: Request) -> None:
-        """Called when req is queued; from then on steps build adjustments while it lives."""
-        if req.logits_state is not None or req.sampling_params.uses_logits_processors:
-            self._live[req.request_id] = req
+        """Called when req is queued; from then on steps build its adjustments / bitmask rows while it lives."""
+        params = req.sampling_params
+        if params.logit_bias or params.allowed_token_ids is not None or params.bad_words:
+            self._adjusted[req.request_id] = req
+        if params.structured_outputs is not None:
+            self._structured[req.request_id] = req
 
     @property
     def active(self) -> bool:
-        """Whether any queued request uses a processor (else `build` is never called: no per-step cost)."""
-        return bool(self._live)
+        """Whether any queued request has logit_bias, allowed_token_ids or bad_words (else `build` is never
+        called: no per-step cost)."""
+        return bool(self._adjusted)
+
+    @property
+    def has_grammars(self) -> bool:
+        """Whether any queued request has a grammar (its steps' sampling waits for the matchers)."""
+        return bool(self._structured)
 
     # ---- each step ----------------------------------------------------------------------------------
     def build(self, reqs: list[Request], vocab_size: int, device: torch.device,
               stager: PinnedStager | None = None) -> LogitsAdjustments | None:
-        """The step's adjustments for the sampled rows `reqs`; grammar rows are filled here, on the CPU."""
-        allowed_rows, allowed_pos, banned, bias_pos, bias_val, grammar_rows = [], [], [], [], [], []
+        """The step's allowed ids, bad words and biases for the sampled rows `reqs` (grammars: see
+        grammar_bitmask)."""
+        allowed_rows, allowed_pos, banned, bias_pos, bias_val = [], [], [], [], []
         for i, req in enumerate(reqs):
             params, state = req.sampling_params, req.logits_state
             if state is None:
@@ -120,13 +136,10 @@ class LogitsProcessors:
                 bias_pos += [base + t for t in params.logit_bias]
                 bias_val += params.logit_bias.values()
             banned += [base + t for t in _banned_last_tokens(state.bad_words_token_ids, req.output_token_ids)]
-            if state.structured is not None and not state.structured.is_terminated:
-                grammar_rows.append(i)
-        if not (allowed_rows or banned or bias_pos or grammar_rows):
+        if not (allowed_rows or banned or bias_pos):
             return None
         index, floats = _makers(stager, device)
         return LogitsAdjustments(
-            bitmask=self._fill_bitmask(reqs, grammar_rows, device) if grammar_rows else None,
             allowed_rows=index(allowed_rows) if allowed_rows else None,
             allowed_positions=index(allowed_pos) if allowed_rows else None,
             banned_positions=index(banned) if banned else None,
@@ -134,27 +147,41 @@ class LogitsProcessors:
             bias_values=floats(bias_val) if bias_pos else None,
         )
 
-    def _fill_bitmask(self, reqs: list[Request], rows: list[int], device: torch.device) -> GrammarBitmask:
-        """xgrammar's C++ fill of the grammar rows of a [len(reqs), V / 32] bitmask (xgrammar indexes the
-        logits and the bitmask by the same row), in a host buffer: pinned on a GPU, so the copy to the
-        device does not wait for the forward that is running."""
-        n = len(reqs)
-        if device.type == "cuda":
-            if self._pinned is None or self._pinned.shape[0] < n:
-                width = self.grammars.allocate_bitmask(1).shape[1]
-                self._pinned = torch.empty((max(n, 64), width), dtype=torch.int32, pin_memory=True)
-            bitmask = self._pinned[:n]
-        else:
-            bitmask = self.grammars.allocate_bitmask(n)
-        for i in rows:
-            reqs[i].logits_state.structured.fill(bitmask, i)
-        return GrammarBitmask(bitmask.to(device, non_blocking=True), rows)
+    def grammar_bitmask(self, reqs: list[Request], device: torch.device) -> torch.Tensor | None:
+        """[len(reqs), ceil(V / 32)] int32 on device: row i = what reqs[i]'s grammar allows next, all
+        allowed for rows without one (or whose request ended since the step was scheduled: its token is
+        dropped anyway); None when no row has a live grammar. Filled on the host in pinned memory on a
+        GPU, so the copy does not wait for the forward that is running."""
+        rows = [i for i, req in enumerate(reqs) if req.logits_state is not None and not req.is_finished
+                and req.logits_state.structured is not None and not req.logits_state.structured.is_terminated]
+        if not rows:
+            return None
+        bitmask = self._host_bitmask(len(reqs), device)
+        self.grammars.fill_bitmask(bitmask, [reqs[i].logits_state.structured for i in rows], rows)
+        if device.type != "cuda":
+            return bitmask
+        on_device = bitmask.to(device, non_blocking=True)
+        self._copied.record()
+        return on_device
+
+    def _host_bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """Host rows to fill: pinned and reused on a GPU (after its previous copy is done; one step
+        samples at a time, so this never waits in practice), fresh on the CPU (the sampler reads it)."""
+        if device.type != "cuda":
+            return self.grammars.allocate_bitmask(num_rows)
+        if self._pinned is None or self._pinned.shape[0] < num_rows:
+            self._pinned = torch.empty((max(num_rows, 64), self.grammars.bitmask_width), dtype=torch.int32,
+                                       pin_memory=True)
+            self._copied = torch.cuda.Event()  # (an event never recorded: synchronize returns at once)
+        self._copied.synchronize()
+        return self._pinned[:num_rows]
 
     def advance(self, progressed: list[Request]) -> tuple[list[Request], list[Request]]:
         """Feeds each progressed grammar request its new token; returns (rejected, terminated) among the
         ones still running, for the engine to end with "error" and "stop". Forgets finished requests."""
         rejected, terminated = [], []
-        if not self._live:
+        self._adjusted = {k: r for k, r in self._adjusted.items() if not r.is_finished}
+        if not self._structured:
             return rejected, terminated
         for req in progressed:
             state = req.logits_state
@@ -167,7 +194,7 @@ class LogitsProcessors:
                 rejected.append(req)
             elif state.structured.is_terminated:
                 terminated.append(req)
-        self._live = {k: r for k, r in self._live.items() if not r.is_finished}
+        self._structured = {k: r for k, r in self._structured.items() if not r.is_finished}
         return rejected, terminated
 
 
@@ -192,8 +219,6 @@ def _banned_last_tokens(sequences: list[list[int]], output: list[int]) -> list[i
 def apply_logits_adjustments(logits: torch.Tensor, adj: LogitsAdjustments) -> torch.Tensor:
     """Applies `adj` to the float32 logits in place and returns them (the caller passes a copy)."""
     vocab = logits.shape[-1]
-    if adj.bitmask is not None:
-        apply_grammar_bitmask(logits, adj.bitmask.bitmask, adj.bitmask.rows)
     if adj.allowed_rows is not None:
         keep = torch.zeros(len(adj.allowed_rows), vocab, dtype=torch.bool, device=logits.device)
         keep.view(-1)[adj.allowed_positions] = True

@@ -20,7 +20,7 @@ from pagednb.attention.backend import AttentionMetadata
 from pagednb.engine.block_table import BlockTable
 from pagednb.engine.cuda_graphs import DecodeGraphs
 from pagednb.engine.logits_processors import LogitsProcessors
-from pagednb.engine.logprobs import compute_prompt_logprobs
+from pagednb.engine.logprobs import PromptLogprobs, compute_prompt_logprobs
 from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
 from pagednb.engine.scheduler import SchedulerOutput
 from pagednb.engine.step_buffers import StepBuffers, StepViews
@@ -39,10 +39,21 @@ class LaunchedStep:
     sampler_output: SamplerOutput | None
     host_token_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    pending: PendingSampling | None = None  # forward queued, sampling not yet (ModelRunner.sample)
 
     @property
     def token_ids(self) -> torch.Tensor | None:
         return None if self.sampler_output is None else self.sampler_output.token_ids
+
+
+@dataclass
+class PendingSampling:
+    """A launched step's sampling inputs, kept until its grammar bitmask can be filled."""
+
+    logits: torch.Tensor
+    sampling: SamplingMetadata
+    sampled_reqs: list[Request]
+    prompt_logprobs: PromptLogprobs | None
 
 
 @dataclass
@@ -142,8 +153,10 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         """Queues the step's forward pass and sampling on the device; returns without waiting for them.
+        With defer_sampling only the forward: the caller calls `sample` once the grammar matchers have
+        the previous step's tokens (engine/structured_output.py).
 
         A decode-only step replays the CUDA graph of its batch size; others run eagerly. Inputs whose
         token was sampled by the previous launch and is not known here yet (Request.num_pending_tokens)
@@ -172,13 +185,25 @@ class ModelRunner:
             vocab_size=logits.shape[-1], device=self.device, eos_token_ids=self.eos_token_ids,
             generator=self.generator, stager=self.stager)
         if self.logits_processors is not None and self.logits_processors.active:
-            # grammar bitmasks are filled here on the CPU, overlapping the forward queued above
             sampling.adjustments = self.logits_processors.build(sampled_reqs, logits.shape[-1], self.device,
                                                                 self.stager)
-        result = self.sampler(logits, sampling)
-        result.prompt_logprobs = prompt_logprobs
+        launched = LaunchedStep(None, pending=PendingSampling(logits, sampling, sampled_reqs, prompt_logprobs))
+        if not defer_sampling:
+            self.sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, launched: LaunchedStep) -> None:
+        """Queues a launched step's sampling (grammar rows filled now, on the host, while its forward may
+        still run) and the copy of its tokens to the host."""
+        pending, launched.pending = launched.pending, None
+        sampling, sampled_reqs = pending.sampling, pending.sampled_reqs
+        if self.logits_processors is not None and self.logits_processors.has_grammars:
+            sampling.grammar_bitmask = self.logits_processors.grammar_bitmask(sampled_reqs, self.device)
+        result = self.sampler(pending.logits, sampling)
+        result.prompt_logprobs = pending.prompt_logprobs
         self._last_sampled = (result.token_ids, {r.request_id: i for i, r in enumerate(sampled_reqs)})
-        launched = LaunchedStep(result)
+        launched.sampler_output = result
         if self.device.type == "cuda":
             slot = self._token_slot = (self._token_slot + 1) % len(self._host_tokens)
             host, ready = self._host_tokens[slot], self._tokens_ready[slot]
@@ -187,11 +212,12 @@ class ModelRunner:
             launched.host_token_ids.copy_(result.token_ids, non_blocking=True)
             ready.record()
             launched.ready = ready
-        return launched
 
     def collect(self, launched: LaunchedStep) -> tuple[list[int], SamplerOutput | None]:
         """Waits for a launched step; its sampled tokens, one per sampling request in schedule order
         (INVALID_TOKEN_ID for a row the sampler flagged: the scheduler ends that request alone)."""
+        if launched.pending is not None:  # deferred, and the engine's step was left before it sampled
+            self.sample(launched)
         if launched.token_ids is None:
             return [], None
         if launched.ready is None:

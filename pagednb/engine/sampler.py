@@ -22,6 +22,7 @@ from pagednb.engine.logprobs import PromptLogprobs, num_logprobs, token_logprobs
 from pagednb.engine.logits_processors import LogitsAdjustments, apply_logits_adjustments
 from pagednb.engine.pinned_stager import PinnedStager
 from pagednb.engine.sampling_kernel import sample_with_temperature
+from pagednb.engine.structured_output import mask_disallowed
 from pagednb.sampling_params import SamplingParams
 
 # In SamplerOutput.token_ids: the row had no valid distribution (see the module docstring). Every other id
@@ -65,8 +66,10 @@ class SamplingMetadata:
     penalties: Penalties | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
     max_num_logprobs: int | None  # None when no row wants logprobs
-    # logit_bias, allowed_token_ids, bad_words, grammar bitmasks (set by the runner; engine/logits_processors.py)
+    # logit_bias, allowed_token_ids, bad_words (set by the runner; engine/logits_processors.py)
     adjustments: LogitsAdjustments | None = None
+    # [n, ceil(V / 32)] int32 grammar bitmask, rows without a grammar all ones (engine/structured_output.py)
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -144,14 +147,20 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """`logits` is [n, V] in the model's dtype or float32; it is never modified. Greedy argmax and the
-        temperature kernel read it as it is; everything else works on its (exact) float32 copy."""
+        temperature kernel read it as it is (or its grammar-masked copy, in the same dtype); everything
+        else works on its (exact) float32 copy."""
+        raw = logits
+        if metadata.grammar_bitmask is not None:  # first, as vLLM; logprobs stay the raw ones
+            logits = mask_disallowed(logits, metadata.grammar_bitmask)
         if metadata.is_plain_greedy:
             return SamplerOutput(_greedy(logits), None, None, None)
         if not metadata.is_plain_random:
+            masked = logits is not raw
             logits = logits.float()
-        raw = logits
-        if metadata.adjustments is not None:  # before penalties, as vLLM; logprobs stay the raw ones
-            logits = apply_logits_adjustments(logits.clone(), metadata.adjustments)
+            if not masked:
+                raw = logits
+        if metadata.adjustments is not None:  # before penalties, as vLLM
+            logits = apply_logits_adjustments(logits.clone() if logits is raw else logits, metadata.adjustments)
         logits = apply_penalties(logits, metadata.penalties)
         if metadata.banned is not None:
             if logits is raw:
@@ -255,7 +264,7 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties | None) -> torch.Tensor
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k_max: int | None) -> SamplerOutput:
     if k_max is None:
         return SamplerOutput(token_ids, None, None, None)
-    lp = token_logprobs(raw.log_softmax(-1), token_ids, k_max)  # flagged rows: read at token 0, unused
+    lp = token_logprobs(raw.float().log_softmax(-1), token_ids, k_max)  # flagged rows: read at token 0, unused
     return SamplerOutput(token_ids, lp.logprobs, lp.top_logprobs, lp.top_token_ids, lp.ranks)
 
 

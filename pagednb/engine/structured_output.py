@@ -9,17 +9,21 @@ xgrammar (the grammar engine vLLM and SGLang use) does the grammar work; this mo
   "error"; EOS is in the bitmask only when the matcher can terminate (xgrammar's stop tokens are the
   model's EOS ids); the request finishes ("stop") once the matcher is terminated.
 
-The step: the model runner launches the forward first, then fills the bitmask rows of the structured
-requests on the CPU (xgrammar's C++ fill) while the device runs that forward; the sampler applies the
-bitmask to the float32 logits on the device (xgrammar.apply_token_bitmask_inplace, CPU and CUDA). A
-matcher needs each sampled token before the next bitmask, so a structured request turns asynchronous
-scheduling off while it runs (Request.needs_output_history), as penalties do.
+The step, pipelined with asynchronous scheduling: a matcher needs step N's token before it can fill
+its row of step N+1's bitmask, but that bitmask is only needed by N+1's *sampler*, after its forward.
+So the engine launches N+1's forward first, then takes N's tokens, feeds them to the matchers, fills
+N+1's rows (xgrammar's batched C++ fill, `GrammarCache.fill_bitmask`) in pinned memory, and only then
+queues N+1's sampling behind the forward that is still running (LLMEngine._sample_deferred). The host's
+grammar work hides under the forward, and structured requests keep asynchronous scheduling on.
+
+On the device the bitmask becomes a masked copy of the logits in the model's dtype
+(`mask_disallowed`): no float32 copy just for the mask, and greedy rows take their argmax from it.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import json
-from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +34,7 @@ from pagednb.sampling_params import StructuredOutputsParams
 # (vLLM leaves it unbounded; its users set disable_any_whitespace instead).
 MAX_WHITESPACE_RUN = 4
 _INSTALL_HINT = 'structured output needs xgrammar: pip install "pagednb[structured]"'
+_ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 
 
 def import_xgrammar():
@@ -42,25 +47,25 @@ def import_xgrammar():
 
 
 class StructuredState:
-    """One request's grammar matcher: advances with each accepted token, fills its bitmask row."""
+    """One request's grammar matcher: advances with each accepted token (GrammarCache fills bitmask rows
+    of many matchers at once)."""
 
     def __init__(self, matcher) -> None:
         self.matcher = matcher
 
     def accept(self, token_id: int) -> bool:
-        """False when the grammar rejects the token (the request then ends with "error")."""
+        """False when the grammar rejects the token (the request then ends with "error"). One call per
+        matcher: xgrammar's batched accept measured slower at batch 64 (benchmarks/structured_output.py)."""
         return self.matcher.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 class GrammarCache:
-    """Compiles specs with one xgrammar compiler and keeps the most recent `capacity` results."""
+    """Compiles specs with one xgrammar compiler and keeps the most recent `capacity` results; fills
+    bitmasks of many matchers at once."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], capacity: int = 128) -> None:
         xgr = import_xgrammar()
@@ -68,9 +73,12 @@ class GrammarCache:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our LRU caches; one place to bound
         self.vocab_size = vocab_size
+        self.bitmask_width = -(-vocab_size // 32)
         self.capacity = capacity
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self.num_compiled = 0  # compilations done (cache misses); tests read it
+        # xgrammar's threaded fill ("auto": half the host's cores); one pool for the engine's lifetime
+        self._batch = xgr.BatchGrammarMatcher("auto")
 
     def new_state(self, params: StructuredOutputsParams) -> StructuredState:
         """A fresh matcher for `params`; a spec that does not compile raises ValueError naming its field."""
@@ -109,29 +117,31 @@ class GrammarCache:
         """[num_rows, ceil(V / 32)] int32 on the CPU, every bit set (all tokens allowed)."""
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        apply_grammar_bitmask(logits, bitmask, rows)
+    def fill_bitmask(self, bitmask: torch.Tensor, states: list[StructuredState], rows: list[int]) -> None:
+        """bitmask[rows[i]] = what states[i] allows next, every other row all-allowed; one batched,
+        threaded xgrammar call instead of one Python call per matcher."""
+        if len(rows) < bitmask.shape[0]:
+            plain = torch.ones(bitmask.shape[0], dtype=torch.bool)
+            plain[rows] = False
+            bitmask[plain] = _ALL_ALLOWED
+        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits[r] = -inf where bitmask[r] has a 0 bit, for r in rows; in place, on logits' device (float32).
-    xgrammar's kernels: C++ on the CPU, Triton on a GPU (its plain-torch version where Triton is missing)."""
-    xgr = import_xgrammar()
-    try:
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
-    except ImportError:  # no Triton
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows,
-                                        backend="torch_native")
+def mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits ([n, V], any float dtype, any device) with -inf where bitmask ([n, ceil(V / 32)]
+    int32 on the same device) has a 0 bit. Token t is bit t % 32 of word t // 32; read as bytes (little
+    endian, as every host and GPU pagednb runs on), it is bit t % 8 of byte t // 8."""
+    n, vocab = logits.shape
+    blocked = (bitmask.view(torch.uint8).unsqueeze(-1) & _byte_bits(logits.device)) == 0  # [n, 4W, 8]
+    return logits.masked_fill(blocked.view(n, -1)[:, :vocab], float("-inf"))
+
+
+@functools.cache
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """[8] uint8: 1, 2, 4, ..., 128 on device (made once per device, not copied to it every step)."""
+    return torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=device)
 
 
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar that matches exactly one of the strings (JSON escapes are EBNF escapes too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-@dataclass
-class GrammarBitmask:
-    """One step's bitmask over the n sampled rows; rows without a grammar are left as they are."""
-
-    bitmask: torch.Tensor  # [n, ceil(V / 32)] int32 on the sampler's device; only `rows` are filled
-    rows: list[int]  # the sampled rows with a grammar
