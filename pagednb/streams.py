@@ -22,6 +22,10 @@ class RequestStream:
     through an async generator of its own, which Python closes when the loop is left (asyncio runs the
     close on the loop's next turn). `async with llm.stream(...) as s:` aborts the moment the block is
     left, whatever happened inside it. A request that fails raises its error here.
+
+    The engine builds an output for the stream only when its consumer waits for one: a consumer slower
+    than the engine gets fewer outputs, each with everything produced since the last (DELTA texts still
+    join to the whole text), instead of a backlog of one per step. `pace()` spaces them further.
     """
 
     def __init__(self, driver: EngineDriver, request_id: str, owner: object = None) -> None:
@@ -30,7 +34,11 @@ class RequestStream:
         self._owner = owner  # what owns the engine (the LLM): kept alive, and so open, while this is
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._done = True  # until start(): there is nothing to abort
-        self.sink = _queue_sink(self._queue, asyncio.get_running_loop(), functools.partial(driver.abort, request_id))
+        self._loop = asyncio.get_running_loop()
+        self._interval = 0.0  # pace()
+        self._ready_at = 0.0  # loop time before which no output is built for this stream (pace())
+        self._release: asyncio.TimerHandle | None = None  # the paced release, while one is due
+        self.sink = _queue_sink(self._queue, self._loop, functools.partial(driver.abort, request_id))
 
     def start(self, req: Request | ParentRequest) -> None:
         """Submits the request (with n > 1, its n completions: each output carries the completions by
@@ -43,6 +51,13 @@ class RequestStream:
         except BaseException:
             self.abort()
             raise
+
+    def pace(self, interval: float) -> None:
+        """After each output taken, the engine builds the next one no sooner than `interval` seconds
+        later (the final one comes at once): for a consumer that sends less often than the engine
+        steps (the HTTP server), one output per interval instead of one per step at hundreds of
+        streams is host time the GPU does not wait for."""
+        self._interval = interval
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -61,16 +76,43 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
+        if self._queue.empty():
+            self._ready_for_output()
         try:
             out = await self._queue.get()
         except BaseException:  # the consuming task was cancelled or interrupted
             self.abort()
             raise
-        if out.error is not None:
-            self._done = True
-            raise out.error
-        self._done = out.finished
+        self._took(out)
         return out
+
+    def _took(self, out: RequestOutput) -> None:
+        """The consumer has the output: until it waits for the next one, the engine builds none (the
+        tokens meanwhile come together in the next). Raises the request's error."""
+        self._done = out.finished or out.error is not None
+        if self._done:
+            self._stop_holding()
+            if out.error is not None:
+                raise out.error
+            return
+        self._driver.held_ids.add(self.request_id)
+        if self._interval:
+            self._ready_at = self._loop.time() + self._interval
+
+    def _ready_for_output(self) -> None:
+        """The consumer waits: the engine may build the next output now, or once the pace allows."""
+        release = self._driver.held_ids.discard
+        delay = self._ready_at - self._loop.time() if self._interval else 0.0
+        if delay <= 0:
+            release(self.request_id)
+        else:
+            self._release = self._loop.call_later(delay, release, self.request_id)
+
+    def _stop_holding(self) -> None:
+        """The stream ended: its id leaves the held set, and a paced release still due is dropped."""
+        self._driver.held_ids.discard(self.request_id)
+        if self._release is not None:
+            self._release.cancel()
 
     def take_ready(self) -> list[RequestOutput]:
         """The outputs already queued, without waiting: a consumer that sends less often than the engine
@@ -78,10 +120,7 @@ class RequestStream:
         ready = []
         while not self._done and not self._queue.empty():
             out = self._queue.get_nowait()
-            if out.error is not None:
-                self._done = True
-                raise out.error
-            self._done = out.finished
+            self._took(out)
             ready.append(out)
         return ready
 
@@ -96,6 +135,7 @@ class RequestStream:
         if not self._done:
             self._done = True
             self._driver.abort(self.request_id)
+            self._driver.held_ids.discard(self.request_id)  # (any thread: a due release fires harmlessly)
 
     async def aclose(self) -> None:
         self.abort()

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from pagednb import LLM, SamplingParams
+from pagednb import LLM, RequestOutputKind, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -134,7 +134,10 @@ def test_sync_generate_inside_a_running_loop_keeps_background_streams_fed(llm):
     first, rest, sync_out = asyncio.run(main())
     assert rest[-1].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert sync_out[0].outputs[0].token_ids == expected[1].outputs[0].token_ids
-    assert len(rest) == 23  # no output of the background stream was lost
+    # The stream's consumer could not read during `generate`: no outputs piled up for it, and no token
+    # was lost: it finished meanwhile, so its final output is the only one left, carrying everything.
+    assert len(rest) == 1 and rest[0].finished
+    assert first.outputs[0].delta + rest[0].outputs[0].delta == expected[0].outputs[0].text
 
 
 def test_64_concurrent_streams_with_random_aborts_and_priorities(tiny_model_dir):
@@ -371,3 +374,89 @@ def test_del_while_the_loop_runs_finishes_the_loop_task(tiny_model_dir, caplog):
     loop.close()
     gc.collect()
     assert "Task was destroyed but it is pending" not in caplog.text
+
+
+# ---- a consumer slower than the engine: outputs merge instead of piling up --------------------------
+DELTA = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+
+def count_built_outputs(llm) -> dict[str, int]:
+    """Counts the outputs the engine builds per request id (what the host pays for each step)."""
+    built: dict[str, int] = {}
+    real_step = llm.engine.step
+
+    def step():
+        outputs = real_step()
+        for out in outputs:
+            built[out.request_id] = built.get(out.request_id, 0) + 1
+        return outputs
+    llm.engine.step = step
+    return built
+
+
+async def read_slowly(stream, turns: int) -> list:
+    """Reads the stream, leaving the loop `turns` turns (the engine steps meanwhile) after each output."""
+    outs = []
+    async for out in stream:
+        outs.append(out)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+    return outs
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_a_slow_consumer_gets_merged_deltas_that_join_to_the_whole_text(llm, with_stop):
+    whole = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    stop = None
+    if with_stop:  # a stop string from the middle of the text: found at once although nobody reads then
+        text = llm.generate("Once upon a time", whole, use_tqdm=False)[0].outputs[0].text
+        stop = [text[len(text) // 2:len(text) // 2 + 3]]
+        whole = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+                            stop=stop)
+    expected = llm.generate(["Once upon a time"], whole, use_tqdm=False)[0].outputs[0]
+    assert expected.stop_reason == (stop[0] if stop else None)
+    built = count_built_outputs(llm)
+
+    async def main():
+        stream = llm.stream("Once upon a time", params)
+        return await read_slowly(stream, turns=4), stream.request_id
+    outs, request_id = asyncio.run(main())
+    assert 1 < len(outs) < len(expected.token_ids)  # several steps' tokens per output
+    assert built[request_id] == len(outs)  # none was built that nobody read
+    assert "".join(o.outputs[0].text for o in outs) == expected.text
+    assert [t for o in outs for t in o.outputs[0].token_ids] == expected.token_ids
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == expected.finish_reason
+    assert outs[-1].outputs[0].stop_reason == expected.stop_reason
+    assert llm.stats()["used_blocks"] == 0
+
+
+def test_a_fast_consumer_still_gets_one_output_per_step(llm):
+    async def main():
+        return await read_slowly(llm.stream("The cat", DELTA), turns=0)
+    outs = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 24
+
+
+def test_paced_stream_builds_one_output_per_interval_and_the_final_one_at_once(llm):
+    expected = llm.generate(["The dog"], GREEDY, use_tqdm=False)
+    built = count_built_outputs(llm)
+
+    async def main():
+        streams = [llm.stream("The dog", DELTA), llm.stream("The cat", SamplingParams(
+            n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA))]
+        for stream in streams:
+            stream.pace(3600.0)  # nothing but the first and the final output can come
+        results = await asyncio.gather(*(read_slowly(s, turns=0) for s in streams))
+        return results, [s.request_id for s in streams]
+    (single, family), ids = asyncio.run(main())
+    assert len(single) == 2 and single[-1].finished  # the first tokens at once, then the rest at the end
+    assert "".join(o.outputs[0].text for o in single) == expected[0].outputs[0].text
+    assert built[ids[0]] == 2
+    alone = llm.generate("The cat", SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
+                         use_tqdm=False)[0]
+    for c in alone.outputs:  # each completion's deltas join to its text; at most first + final outputs
+        deltas = [d for o in family for d in o.outputs if d.index == c.index]
+        assert "".join(d.text for d in deltas) == c.text and len(deltas) <= 2
+    assert family[-1].finished and built[ids[1]] == len(family)
+    assert llm.stats()["used_blocks"] == 0

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagednb import LLM, SamplingParams
 from pagednb.chat_template import apply_chat_template
+from pagednb.serving import app as serving_app
 
 pytestmark = pytest.mark.usefixtures("pool_checked_after_each_test")
 
@@ -247,6 +248,24 @@ def test_disconnect_mid_stream_frees_the_blocks_within_a_step(llm, monkeypatch):
     closed_at, freed_at = asyncio.run(asyncio.wait_for(main(), 60))
     assert aborted_at and aborted_at[0] - closed_at <= 3, (closed_at, aborted_at)
     assert freed_at - aborted_at[0] <= 1 and freed_at - closed_at < 10
+
+
+def test_paced_chunks_carry_every_token_and_the_engine_builds_no_output_in_between(llm, server, client,
+                                                                                  monkeypatch):
+    """With a pace longer than the request, the engine builds two outputs (the first tokens, then the
+    final one with all the rest, sent as soon as the request ends), not one per step; the text is whole."""
+    expected = generated(llm, PROMPT, temperature=0, max_tokens=40, ignore_eos=True)[0]
+    monkeypatch.setattr(serving_app, "STREAM_INTERVAL_S", 3600.0)
+    built = []
+    real_step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: [built.append(o) or o for o in real_step()])
+    start = time.monotonic()
+    chunks = list(client.completions.create(model=server.model_name, prompt=PROMPT, temperature=0, max_tokens=40,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert time.monotonic() - start < 60  # the final chunk did not wait for the pace
+    assert joined(chunks, chat=False) == {0: expected} and chunks[-1].usage.completion_tokens == 40
+    assert [len(o.outputs[0].token_ids) for o in built] == [1, 39] and len(chunks) == 3  # + the usage chunk
 
 
 def test_a_non_streaming_client_that_leaves_aborts_its_request(llm, server):

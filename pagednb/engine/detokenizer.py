@@ -105,6 +105,12 @@ class IncrementalDetokenizer:
         return self._deferred
 
     @property
+    def finds_stop_strings(self) -> bool:
+        """True when the text is searched for stop strings: it must then be decoded every step, so that
+        the request stops at the token that completed one."""
+        return bool(self._stops)
+
+    @property
     def output_text(self) -> str:
         """Text safe to show so far; the final text once finished or stopped."""
         return self._text[:self._visible_len()]

@@ -62,6 +62,14 @@ class EngineDriver:
             self.engine.abort_request(request_id)
             self._wake()
 
+    @property
+    def held_ids(self) -> set[str]:
+        """The requests whose consumer is busy with its last output: the engine builds none for them but
+        their final one, and the next output carries every token since (engine/output_processor.py). A
+        consumer adds its request's id when it takes an output and discards it when it waits for the
+        next, or has the final one (streams.py); from any thread."""
+        return self.engine.output_processor.held_ids
+
     def consumer_ids(self) -> list[str]:
         """The requests whose outputs still go to a consumer (empty once every request ended)."""
         return list(self._sinks)

@@ -36,6 +36,12 @@ class OutputProcessor:
         self._tracked: dict[str, _Tracked] = {}
         self.parents = ParentRegistry()  # n > 1 requests in flight (engine/parallel_sampling.py)
         self._pieces: dict[int, str] = {}  # token id -> its decoded text, for Logprob.decoded_token
+        # The requests (or n > 1 parents) whose consumer has not taken its last output yet: no output is
+        # built for them but their final one. Building one every step for a consumer that reads every few
+        # steps (the HTTP server's paced chunks) costs the host more than a GPU step at hundreds of
+        # streams; their tokens wait instead, and the next output built carries them all. Consumers add
+        # and discard ids from any thread (one set operation, atomic); engine/driver.py explains who.
+        self.held_ids: set[str] = set()
 
     def add_request(self, req: Request | ParentRequest) -> None:
         if isinstance(req, ParentRequest):  # n > 1: each child is tracked, the parent gathers them
@@ -125,29 +131,32 @@ class OutputProcessor:
         """Feeds new tokens to each request's detokenizer; returns (request, stop string) for requests
         whose text now contains a stop string: they end as stopped, also when the same token reached
         max_tokens (the stop string wins, as in vLLM)."""
-        stopped = []
+        stopped, held = [], self.held_ids
         for req in reqs:
             tracked = self._tracked[req.request_id]
-            if tracked.detokenizer.defers_until_finished and not req.is_finished:
-                continue
+            detokenizer = tracked.detokenizer
+            if not req.is_finished and (detokenizer.defers_until_finished or (
+                    held and not detokenizer.finds_stop_strings and self._is_held(req))):
+                continue  # decoded later, with the tokens since (a stop string must be found at once)
             new_tokens = req.output_token_ids[tracked.num_detokenized:]
             tracked.num_detokenized = req.num_output_tokens
-            stop = tracked.detokenizer.update(new_tokens, finished=req.is_finished)
+            stop = detokenizer.update(new_tokens, finished=req.is_finished)
             if stop is not None and req.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH_CAPPED):
                 stopped.append((req, stop))
         return stopped
 
     def _make_outputs(self, reqs: list[Request], error: BaseException | None = None) -> list[RequestOutput]:
         outputs = []
-        final_only = RequestOutputKind.FINAL_ONLY
+        final_only, held = RequestOutputKind.FINAL_ONLY, self.held_ids
         parents = self.parents if self.parents else None  # None without n > 1 requests: no lookups
         touched: dict[str, ParentRequest] | None = None
         for req in reqs:
-            if req.sampling_params.output_kind is final_only and not req.is_finished:
+            if not req.is_finished and (req.sampling_params.output_kind is final_only or (held and self._is_held(req))):
                 continue
             out = self._make_output(req, error if error is not None else req.error)
             if req.is_finished:
                 del self._tracked[req.request_id]
+                held.discard(req.request_id)
             parent = parents.parent_of(req.request_id) if parents is not None else None
             if parent is None:
                 outputs.append(out)
@@ -168,6 +177,7 @@ class OutputProcessor:
                 outputs.append(out)
             if parent.is_finished:
                 self.parents.remove(parent)
+                self.held_ids.discard(parent.request_id)
         return outputs
 
     def _make_output(self, req: Request, error: BaseException | None) -> RequestOutput:
@@ -202,6 +212,13 @@ class OutputProcessor:
             return None
         tracked.prompt_logprobs_sent = True
         return list(tracked.prompt_logprobs)
+
+    def _is_held(self, req: Request) -> bool:
+        """Whether the consumer of the request (or of its n > 1 parent) has not taken its last output."""
+        if req.request_id in self.held_ids:
+            return True
+        parent = self.parents.parent_of(req.request_id) if self.parents else None
+        return parent is not None and parent.request_id in self.held_ids
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tracked or (bool(self.parents) and self.parents.holds(request_id))

@@ -33,11 +33,13 @@ from pagednb.streams import RequestStream
 logger = logging.getLogger("pagednb")
 
 # After a stream's first chunk, at most one chunk per this many seconds (each holding every token of the
-# steps in between). Every chunk costs the server's single thread tens of microseconds (JSON, SSE
-# framing, the ASGI send, a socket write) on the loop that also steps the engine: one chunk per token at
-# 256 streams would cost more per step than a GPU step of the whole batch, and throughput would fall by
-# half. 20 chunks per second reads as smoothly as per-token streaming, and bounds that cost whatever
-# the model's speed. TTFT is unaffected (the first tokens are sent at once).
+# steps in between; the engine builds no output for the stream meanwhile, RequestStream.pace). Every
+# chunk costs the server's single thread tens of microseconds (the engine's output and detokenization,
+# JSON, SSE framing, the ASGI send, a socket write) on the loop that also steps the engine: one chunk
+# per token at 256 streams would cost more per step than a GPU step of the whole batch, and throughput
+# would fall by half. 20 chunks per second reads as smoothly as per-token streaming, and bounds that
+# cost whatever the model's speed. TTFT is unaffected (the first tokens are sent at once), and so is the
+# end (the final output comes at once).
 STREAM_INTERVAL_S = 0.05
 
 
@@ -124,20 +126,17 @@ class OpenAIServing:
         """The SSE events: (chat: the role), a chunk per completion that changed, the usage if asked, then
         [DONE]. The first tokens go out at once; after that a chunk carries what the engine produced
         during the last STREAM_INTERVAL_S (see there). Leaving early aborts the request."""
-        usage, final, loop = Usage(), None, asyncio.get_running_loop()
+        usage, final = Usage(), None
+        stream.pace(STREAM_INTERVAL_S)
         try:
             if builder.chat:
                 yield builder.role_chunk(n)
-            next_send = 0.0
             while True:
                 try:
                     outs = [await anext(stream)]
                 except StopAsyncIteration:
                     break
-                if not outs[0].finished and loop.time() < next_send:
-                    await asyncio.sleep(next_send - loop.time())  # the steps meanwhile pile up: one chunk
-                outs += stream.take_ready()
-                next_send = loop.time() + STREAM_INTERVAL_S
+                outs += stream.take_ready()  # the final output may be queued right behind (never held)
                 for out in outs:
                     usage.add(out)
                 for completion in merged_deltas(outs):

@@ -1,8 +1,8 @@
 """RequestOutputs to OpenAI response bodies and stream chunks.
 
-Streaming sends one chunk per completion per engine step, so a chunk is a few dict entries through
-json.dumps, framed as an SSE event here (bytes go out as they are): no pydantic model, no
-re-detokenization (the engine's DELTA outputs already carry the new text). Chat choices are indexed by
+Streaming sends one chunk per completion per paced output (app.py's STREAM_INTERVAL_S), so a chunk is a
+few dict entries through json.dumps, framed as an SSE event here (bytes go out as they are): no pydantic
+model, no re-detokenization (the engine's DELTA outputs already carry the new text). Chat choices are indexed by
 completion; usage counts every completion's tokens.
 """
 from __future__ import annotations
