@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagednb.chat_template import apply_chat_template, check_chat_template
@@ -12,6 +12,8 @@ from pagednb.engine.driver import EngineDriver
 from pagednb.engine.input_processor import PromptType
 from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.engine.llm_engine import LLMEngine
+from pagednb.engine.prefix_cache_snapshot import PrefixCacheSnapshot, snapshot_prefix_cache
+from pagednb.engine.step_report import StepReport
 from pagednb.metrics import Metric, metrics_from_stats
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
@@ -87,6 +89,7 @@ class LLM:
                 if bar is not None:
                     bar.update(1)
 
+        self.driver.check_not_paused()  # before submitting: a paused engine would never finish them here
         ids = [req.request_id for req in requests]
         # Ctrl-C is held back while requests are submitted and while ours are aborted, and takes effect
         # between two steps (run_until): it can never leave a request of ours behind.
@@ -200,6 +203,36 @@ class LLM:
     def max_model_len(self) -> int:
         """The longest prompt + output a request may have."""
         return self.engine.max_model_len
+
+    # ---- the step debugger (pagednb.notebook.step_view draws these) ----------------------------
+    def pause(self) -> None:
+        """Stops background stepping after the step under way. Requests still queue (streams wait);
+        `debug_step()` advances one step; `resume()` goes back to normal. A synchronous generate()/chat()
+        raises RuntimeError while paused (it would hold the kernel that the Step click needs)."""
+        self.driver.pause()
+
+    def resume(self) -> None:
+        self.driver.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.driver.paused
+
+    def debug_step(self) -> StepReport:
+        """Runs one engine step (outputs go to their streams as usual) and returns what the scheduler
+        decided: the batch, the token budget, blocks allocated / hit / freed, preemptions and why."""
+        return self.driver.debug_step()
+
+    def on_step(self, listener: Callable[[StepReport], None]) -> Callable[[], None]:
+        """Calls listener(report) after every step (on the stepping thread); returns the function that
+        stops it. Steps cost a little more while anyone listens, nothing otherwise."""
+        self.driver.add_step_listener(listener)
+        return lambda: self.driver.remove_step_listener(listener)
+
+    def prefix_cache_snapshot(self) -> PrefixCacheSnapshot:
+        """The prefix cache's blocks as a tree of shared prefixes: ref counts, eviction order, tokens."""
+        with self.driver._step_lock:  # never half a step's changes
+            return snapshot_prefix_cache(self.engine.kv_cache_manager.pool, self.engine.config.block_size)
 
     def block_map(self) -> list[tuple[str, str | None]]:
         """Each KV block's state in block-id order: ("used", owning request id), ("cached", None) or

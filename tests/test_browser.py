@@ -1,10 +1,21 @@
 """The notebook experience in a real browser: JupyterLab (started here, on localhost) in Debian's Chromium,
-driven by Playwright. Opens notebooks/06_chat.ipynb, runs all its cells (Run > Run All Cells), types a
+driven by Playwright.
+
+The chat and Cancel: opens notebooks/06_chat.ipynb, runs all its cells (Run > Run All Cells), types a
 message into the chat and clicks Send, sees the reply stream into the history, clicks Cancel, and checks
 that the stream stops with finish_reason "abort", that the pool view's used blocks fall to 0, that no cell
 shows an error, and that the conversation is shown whole (the history scrolls; nothing is cut off).
 Screenshots (after render, while streaming, after cancel; the pool view alone beside each) go to
-test-artifacts/browser/, with the server's log.
+test-artifacts/browser/<test>/, with the server's log.
+
+Enter, autoscroll and the token view (06 again): Enter in the input sends; the history follows new
+messages and the streaming reply to its bottom, also after the user scrolled it to the top; the
+"Token probabilities" toggle shows one coloured span per token of the reply, and hovering one shows its
+top-5 alternatives with their probabilities.
+
+The pool view's final state (01_quickstart): after Run All, which stops the view right after its last
+requests finish, the view shows the idle engine (used 0, running 0, no block owned), not a frame from
+mid-run.
 
 If the notebook's reply ends by itself before the Cancel click can land (a fast CPU: the embedded model
 writes a ~75-token story at ~300 tok/s), the test adds one cell that slows each model step by 20 ms and
@@ -103,12 +114,13 @@ def page(tmp_path):
 
 
 class Shots:
-    """Screenshots under test-artifacts/browser/, printed as they are taken."""
+    """Screenshots under test-artifacts/browser/<folder>/, printed as they are taken."""
 
-    def __init__(self, page):
+    def __init__(self, page, folder: str):
         self.page = page
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        for old in ARTIFACTS.glob("*.png"):
+        self.folder = ARTIFACTS / folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for old in self.folder.glob("*.png"):
             old.unlink()
 
     def __call__(self, name: str, scroll_to=None, pool=None) -> None:
@@ -120,7 +132,7 @@ class Shots:
             self._save(f"{name}_pool", pool)
 
     def _save(self, name, target) -> None:
-        path = ARTIFACTS / f"{name}.png"
+        path = self.folder / f"{name}.png"
         target.screenshot(path=str(path))
         print(f"\n[browser test] screenshot: {path}", flush=True)
 
@@ -138,7 +150,9 @@ def kernel_status(page) -> str:
 
 
 def open_notebook(page, lab, name):
-    page.goto(lab.url(f"/lab/tree/{name}"))
+    # ?reset: a fresh workspace, so the tabs an earlier test of this server opened are not restored
+    # (their cells and widgets would be in the page too)
+    page.goto(lab.url(f"/lab/tree/{name}?reset"))
     page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(timeout=PAGE_LOAD_S * 1000)
     # Running cells before the kernel is connected races JupyterLab's session start (it can end with
     # "No Kernel"): wait for the status bar to say Idle.
@@ -335,7 +349,7 @@ def test_chat_streams_and_cancel_stops_it_in_jupyterlab(lab, page):
     t0 = time.monotonic()
     notebook = lab.root_dir / NOTEBOOK
     assert notebook.exists(), f"{NOTEBOOK} is missing from {lab.root_dir} (the tutorial notebook under test)"
-    shot = Shots(page)
+    shot = Shots(page, "chat_cancel")
     try:
         # 1. open the notebook, run all its cells, see the widgets
         open_notebook(page, lab, NOTEBOOK)
@@ -381,11 +395,110 @@ def test_chat_streams_and_cancel_stops_it_in_jupyterlab(lab, page):
                               "scrolling, cutting messages and status lines off (see 03_cancelled.png):\n"
                               + "\n".join(squeezed))
     except BaseException:
-        try:
-            shot("failure")
-        except Exception:
-            pass
-        tail = "\n".join(page.console_messages[-20:])
-        print(f"\n[browser test] browser console (errors/warnings):\n{tail}\n[browser test] server log tail:\n"
-              f"{lab.log_tail(3000)}", flush=True)
+        report_failure(page, lab, shot)
+        raise
+
+
+def report_failure(page, lab, shot) -> None:
+    """A screenshot of the page, the browser console and the server log's tail, for the failure report."""
+    try:
+        shot("failure")
+    except Exception:
+        pass
+    tail = "\n".join(page.console_messages[-20:])
+    print(f"\n[browser test] browser console (errors/warnings):\n{tail}\n[browser test] server log tail:\n"
+          f"{lab.log_tail(3000)}", flush=True)
+
+
+def run_notebook(page, lab, name):
+    """Opens notebooks/<name> and runs all its cells; returns once every cell ran, none failing."""
+    assert (lab.root_dir / name).exists(), f"{name} is missing from {lab.root_dir}"
+    open_notebook(page, lab, name)
+    run_all_cells(page)
+    wait_all_cells_ran(page, RUN_ALL_S)
+
+
+# ---- Enter, autoscroll, the token view ----------------------------------------------------------------
+def scroll_state(chat) -> dict:
+    """How far the history is from its bottom (px), whether it overflows, and its last entry's text."""
+    return chat.history.evaluate("""el => ({
+        gap: el.scrollHeight - el.scrollTop - el.clientHeight, overflows: el.scrollHeight > el.clientHeight + 50,
+        last: el.lastElementChild ? el.lastElementChild.textContent.trim() : ''})""")
+
+
+def test_enter_sends_the_history_follows_and_the_token_view_shows_alternatives(lab, page):
+    shot = Shots(page, "chat_enter_tokens")
+    try:
+        run_notebook(page, lab, NOTEBOOK)
+        chat = Chat(page)
+        chat.input.wait_for(state="visible")
+
+        # Enter sends (no click on Send), and the history, scrolled to the top first, follows the new
+        # message and the reply down to its bottom
+        chat.history.evaluate("el => { el.scrollTop = 0; }")
+        before = chat.look()
+        message = "Tell me a story about a bear named Rosie."  # a story: names the model is unsure of
+        chat.input.fill(message)
+        chat.input.press("Enter")
+        wait_until(lambda: chat.look()["replies"] > before["replies"], STREAM_S, 0.05,
+                   "Enter in the chat input to send the message (a new reply in the history)")
+        assert chat.input.input_value() == "", "the input was not cleared by Enter"
+        gaps = []
+        while not chat.look()["reason"]:
+            gaps.append(scroll_state(chat)["gap"])
+            time.sleep(0.05)
+            assert len(gaps) < STREAM_S * 20, "the reply did not end"
+        wait_until(lambda: scroll_state(chat)["gap"] < 30, 5, 0.05,
+                   lambda: f"the history to follow the reply to its bottom ({scroll_state(chat)})")
+        state = scroll_state(chat)
+        assert state["overflows"], "the history does not overflow its box: the autoscroll check proves nothing"
+        assert message in chat.history_text()
+        assert max(gaps, default=0) < 200, f"the history fell behind the streaming reply: gaps {gaps}"
+        shot("01_followed", scroll_to=chat.output)
+
+        # the token view of that reply: one span per token, coloured, and the alternatives on hover
+        reply = chat.history.locator(".pagednb-stream").last
+        tokens = int(re.match(r"(\d+) token", reply.locator(".pagednb-status").inner_text()).group(1))
+        reply.locator("button.pagednb-token-toggle").click()
+        spans = reply.locator(".pagednb-token")
+        wait_until(lambda: spans.count() == tokens, 10, 0.1,
+                   lambda: f"{tokens} token spans in the token view (now {spans.count()})")
+        assert not reply.locator(".pagednb-stream-text").is_visible(), "the text still shows beside the tokens"
+        colours = {spans.nth(i).evaluate("el => getComputedStyle(el).backgroundColor") for i in range(tokens)}
+        assert len(colours) > 1, f"every token has the same colour {colours}: not coloured by probability"
+        target = spans.nth(min(2, tokens - 1))
+        target.hover()
+        tip = reply.locator(".pagednb-token-tip")
+        tip.wait_for(state="visible", timeout=5_000)
+        rows = tip.locator("tr").all_inner_texts()
+        assert len(rows) == 5 and all(re.search(r"\d%", r) for r in rows), f"the tooltip's alternatives: {rows}"
+        head = tip.locator(".pagednb-token-tip-head").inner_text()
+        shown = target.inner_text().replace(" ", "\u2423").replace("\n", "\u21b5")
+        assert head.startswith(shown), f"the tooltip {head!r} is not about the hovered token {shown!r}"
+        shot("02_token_view", scroll_to=reply)
+        reply.locator("button.pagednb-token-toggle").click()
+        reply.locator(".pagednb-stream-text").wait_for(state="visible", timeout=5_000)
+        assert not errors_shown(page)
+    except BaseException:
+        report_failure(page, lab, shot)
+        raise
+
+
+# ---- the pool view's final state ------------------------------------------------------------------------
+def test_the_pool_view_shows_the_final_state_after_run_all(lab, page):
+    shot = Shots(page, "pool_final")
+    try:
+        run_notebook(page, lab, "01_quickstart.ipynb")
+        pool = page.locator(".jp-OutputArea-output").filter(has=page.locator(".pagednb-pool-used")).first
+        used = pool.locator(".pagednb-pool-used").inner_text()
+        activity = pool.locator(".pagednb-pool-activity").inner_text()
+        owned = pool.locator(".pagednb-block-map i[class^='o']").count()
+        shot("01_after_run_all", scroll_to=pool, pool=pool)
+        assert parse_used(used) == 0, f"the pool view is frozen mid-run after Run All: {used!r}"
+        assert "running 0 · waiting 0" in activity, f"the pool view is frozen mid-run: {activity!r}"
+        assert owned == 0, f"the block map still draws {owned} blocks owned by requests"
+        legend = pool.locator(".pagednb-legend").inner_text()
+        assert "cached" in legend and "free" in legend, legend
+    except BaseException:
+        report_failure(page, lab, shot)
         raise

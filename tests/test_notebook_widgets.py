@@ -7,6 +7,7 @@ import threading
 import time
 
 import ipywidgets as widgets
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from pagednb.notebook import ChatView, PoolView, StreamView, chat, pool_view, st
 from pagednb.notebook.block_map import MAX_CELLS, BlockMapRenderer, aggregate, request_colour
 from pagednb.notebook.markdown import markdown_to_html, plain_to_html
 from pagednb.notebook.throttle import MessageBudget, Throttle, max_in_window
+from pagednb.notebook.token_view import DEFAULT_TOP_K, TokenView, token_row
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a dog named Max."}]
 LONG = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
@@ -189,6 +191,98 @@ def test_chat_send_and_cancel_buttons_work_from_another_thread(llm):
     assert view.history[-1] == {"role": "assistant", "content": out.outputs[0].text}
 
 
+def test_enter_in_the_chat_input_sends_like_the_send_button(llm):
+    async def main():
+        view = chat(llm, sampling_params=SamplingParams(max_tokens=20, temperature=0), display=False)
+        view.input.value = "What sound does a cat make?"
+        # what the browser sends on Enter (after the typed value), handled as ipywidgets does, from
+        # another thread as ipykernel 7.0-7.3 may
+        submit = threading.Thread(target=view.input._handle_custom_msg, args=({"event": "submit"}, []))
+        submit.start()
+        submit.join()
+        await until(lambda: view.turn is not None)
+        out = await view.turn
+        return view, out
+    view, out = asyncio.run(main())
+    assert view.input.value == "" and out.outputs[0].text
+    assert view.history == [{"role": "user", "content": "What sound does a cat make?"},
+                            {"role": "assistant", "content": out.outputs[0].text}]
+
+
+def test_the_chat_history_follows_new_messages_in_the_browser(llm):
+    async def main():
+        return chat(llm, display=False)
+    view = asyncio.run(main())
+    follow = [w for w in view.widget.children if type(w).__name__ == "AutoScroll"]
+    assert len(follow) == 1 and "pagednb-chat-history" in view.history_box._dom_classes
+    assert "pagednb-chat" in view.widget._dom_classes  # the container the browser side looks in
+    assert (follow[0].container, follow[0].target) == ("pagednb-chat", "pagednb-chat-history")
+    assert "MutationObserver" in follow[0]._esm
+
+
+# ---- the token view ---------------------------------------------------------------------------------
+def test_token_rows_carry_each_token_its_probability_and_the_alternatives_by_rank(llm):
+    out = llm.chat(MESSAGES, SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=3), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    rows = [token_row(t, position) for t, position in zip(completion.token_ids, completion.logprobs)]
+    assert len(rows) == len(completion.token_ids)
+    assert "".join(r[0] for r in rows) == completion.text
+    for token_id, position, (text, p, rank, alternatives) in zip(completion.token_ids, completion.logprobs, rows):
+        chosen = position[token_id]
+        assert p == pytest.approx(np.exp(chosen.logprob), abs=1e-5) and rank == chosen.rank
+        assert [a[2] for a in alternatives] == sorted(lp.rank for lp in position.values())
+        assert len([a for a in alternatives if a[2] <= 3]) == 3
+        assert all(0 <= a[1] <= 1 for a in alternatives)
+        assert alternatives[0][1] >= alternatives[-1][1]
+    assert token_row(5, {5: type(chosen)(float("-inf"), 9, None)})[:3] == ["<5>", 0.0, 9]
+
+
+def test_the_token_view_sends_only_the_new_tokens_and_all_of_them_when_a_browser_asks(llm, monkeypatch):
+    out = llm.chat(MESSAGES, SamplingParams(max_tokens=12, temperature=0, logprobs=2), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    view = TokenView()
+    messages = []
+    monkeypatch.setattr(view, "send", lambda content, buffers=None: messages.append(content))
+    partial = type(completion)(0, "", completion.token_ids[:5], logprobs=completion.logprobs[:5])
+    view.update(partial)
+    view.update(partial)  # nothing new: nothing sent
+    view.update(completion)
+    expected = [token_row(t, p) for t, p in zip(completion.token_ids, completion.logprobs)]
+    assert messages == [{"start": 0, "rows": expected[:5]}, {"start": 5, "rows": expected[5:]}]
+    view._handle_custom_msg({"want": "all"}, [])  # a view drawn later
+    assert messages[-1] == {"start": 0, "rows": expected} and view.rows == expected
+
+
+def test_the_token_toggle_shows_the_tokens_and_only_creates_the_widget_when_pressed(llm, sent):
+    async def main():
+        view = stream(llm, MESSAGES, SamplingParams(max_tokens=40, temperature=0), display=False)
+        out = await view
+        untouched = view.tokens
+        messages_before = len(sent)
+        view.token_button.value = True  # the click, as the browser syncs it
+        await until(lambda: view.tokens is not None and len(view.tokens.rows) == len(out.outputs[0].token_ids))
+        shown = (view.tokens.layout.display, view.text.layout.display)
+        view.token_button.value = False
+        await until(lambda: view.text.layout.display is None)
+        return view, out, untouched, messages_before, shown
+    view, out, untouched, messages_before, shown = asyncio.run(main())
+    assert untouched is None  # no token widget, and no token messages, until the toggle is pressed
+    assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs[0]) >= DEFAULT_TOP_K
+    assert isinstance(view.tokens, TokenView) and view.tokens in view.widget.children
+    completion = out.outputs[0]
+    assert view.tokens.rows == [token_row(t, p) for t, p in zip(completion.token_ids, completion.logprobs)]
+    assert shown == (None, "none")
+    assert view.tokens.layout.display == "none"
+    assert "mouseover" in view.tokens._esm  # the hover that shows the alternatives
+
+
+def test_a_caller_asking_for_logprobs_gets_its_own_k(llm):
+    async def main():
+        return await stream(llm, MESSAGES, SamplingParams(max_tokens=5, temperature=0, logprobs=2), display=False)
+    out = asyncio.run(main())
+    assert all(len([lp for lp in position.values() if lp.rank <= 2]) == 2 for position in out.outputs[0].logprobs)
+
+
 # ---- pool_view() ------------------------------------------------------------------------------------
 def map_counts(html_value):
     grid = html_value.split('class="pagednb-grid">')[1].split("</div>")[0]
@@ -227,6 +321,53 @@ def test_pool_view_shows_the_pool(llm):
         assert request_colour(rid) in block_html
     assert live.startswith("used 0 ")  # after the cancels, without an explicit refresh
     assert not view.live
+
+
+def test_stopping_the_pool_view_draws_the_final_state(llm):
+    """Run All of 01: the view's last refresh was mid-run when the cell right after the requests stops
+    it; stop() must still leave it showing the idle engine."""
+    async def main():
+        view = pool_view(llm, refresh_hz=0.5, display=False)  # a refresh every 2 s: none lands in between
+        a = stream(llm, MESSAGES, LONG, display=False)
+        await until(lambda: a.latest is not None and len(a.latest.outputs[0].token_ids) >= 3)
+        view.refresh()
+        mid_run = view.used.value, view.activity.value
+        a.cancel()
+        await a
+        view.stop()
+        await asyncio.sleep(0)
+        return view, mid_run
+    view, (used_mid, activity_mid) = asyncio.run(main())
+    assert not used_mid.startswith("used 0 ") and "running 1" in activity_mid
+    assert view.used.value.startswith("used 0 ") and "running 0 · waiting 0" in view.activity.value
+    assert map_counts(view.block_map.value)["used"] == 0 and not view.live
+
+
+def test_the_refresh_that_sees_the_engine_go_idle_redraws_the_block_map(llm):
+    async def main():
+        view = pool_view(llm, refresh_hz=5, display=False)
+        a = stream(llm, MESSAGES, LONG, display=False)
+        await until(lambda: "running 1" in view.activity.value and map_counts(view.block_map.value)["used"] > 0)
+        view._map_due = float("inf")  # as after a slow block map on a big pool: its next turn is far off
+        a.cancel()
+        await a
+        await until(lambda: "running 0" in view.activity.value)
+        drawn = view.block_map.value
+        view.stop()
+        return drawn
+    assert map_counts(asyncio.run(main()))["used"] == 0
+
+
+def test_the_block_map_legend_names_each_request_in_its_colour():
+    blocks = [("used", "chat-1")] * 3 + [("used", "other")] * 2 + [("cached", None)] * 4 + [("free", None)] * 7
+    page = BlockMapRenderer().render(blocks)
+    legend = page.split('class="pagednb-legend"')[1]
+    for rid in ("chat-1", "other"):
+        assert f"background:{request_colour(rid)}" in legend and f"</span>request {rid}</span>" in legend
+    assert "cached" in legend and "free" in legend
+    many = BlockMapRenderer().render([("used", f"r{i}") for i in range(20)])
+    assert "+12 more requests" in many and many.count("pagednb-legend-request") == 8
+    assert "no request holds blocks" in BlockMapRenderer().render([("free", None)] * 4)
 
 
 def test_pool_view_without_a_loop_is_a_snapshot(llm):

@@ -11,6 +11,11 @@ Ctrl-C never cuts a step, a submit, an abort or a close in half: they run with i
 was interrupted: a synchronous `generate` aborts its own requests; an interrupt that lands while the
 loop task steps is raised from the loop to whoever runs it, as Python raises it from any code running
 there, and the task goes on serving every stream.
+
+A step-through debugger pauses the background task (`pause()`): requests still queue, streams wait,
+and each `debug_step()` runs one step and returns its StepReport (engine/step_report.py); `resume()`
+lets the task step again. A synchronous `generate` refuses to start while paused rather than wait: it
+would hold the kernel, so the click on "Step" or "Run" that it waits for could never arrive.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from collections.abc import Callable
 
 from pagednb.engine.interrupts import deferred_interrupts
 from pagednb.engine.llm_engine import LLMEngine
+from pagednb.engine.step_report import StepListener, StepRecorder, StepReport
 from pagednb.outputs import RequestOutput
 from pagednb.request import Request
 
@@ -42,6 +48,7 @@ class EngineDriver:
         self._work: asyncio.Event | None = None
         self.dead: BaseException | None = None
         self.num_steps = 0
+        self.paused = False
 
     # ---- submitting and aborting -----------------------------------------------------------------
     def submit(self, req: Request, sink: Sink) -> None:
@@ -109,6 +116,55 @@ class EngineDriver:
                 self.step()
                 interrupts.deliver_pending()
 
+    # ---- pausing and single steps (the step debugger) ----------------------------------------------
+    def pause(self) -> None:
+        """The background task stops stepping after the step under way; requests keep queueing."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake()
+
+    def check_not_paused(self) -> None:
+        if self.paused:
+            raise RuntimeError("the engine is paused by the step debugger: a synchronous generate()/chat() "
+                               "would hold the kernel, so no Step or Run click could reach it. Press Run (or "
+                               "call llm.resume()) first, or use llm.stream() / pagednb.notebook.stream(), "
+                               "whose requests wait in the queue for the next step")
+
+    def debug_step(self) -> StepReport:
+        """Runs one step (paused or not) and returns what it decided."""
+        with self._step_lock:
+            recorder = self._recorder()
+            try:
+                self.step()
+            finally:
+                self._drop_recorder_if_unused()
+            return recorder.last
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """listener(report) after every step, on the stepping thread, until removed; steps cost a
+        little more while any listens."""
+        with self._step_lock:
+            self._recorder().listeners.append(listener)
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        with self._step_lock:
+            recorder = self.engine.step_recorder
+            if recorder is not None and listener in recorder.listeners:
+                recorder.listeners.remove(listener)
+            self._drop_recorder_if_unused()
+
+    def _recorder(self) -> StepRecorder:
+        if self.engine.step_recorder is None:
+            self.engine.step_recorder = StepRecorder(first_step=self.engine.num_steps + 1)
+        return self.engine.step_recorder
+
+    def _drop_recorder_if_unused(self) -> None:
+        recorder = self.engine.step_recorder
+        if recorder is not None and not recorder.listeners:
+            self.engine.step_recorder = None
+
     # ---- the background task ---------------------------------------------------------------------
     def ensure_background_loop(self) -> None:
         """Starts the stepping task on the running loop (the kernel's, in Jupyter) if not running."""
@@ -139,9 +195,9 @@ class EngineDriver:
     async def _serve(self) -> None:
         """One step, then a turn for everyone else on the loop; sleeps (no spinning) when idle."""
         while self.dead is None and not self.engine.closed:
-            if not self.engine.has_unfinished_requests():
+            if self.paused or not self.engine.has_unfinished_requests():
                 self._work.clear()
-                if not self.engine.has_unfinished_requests():  # re-check: a submit may have raced the clear
+                if self.paused or not self.engine.has_unfinished_requests():  # a submit may have raced the clear
                     await self._work.wait()
                 continue
             try:

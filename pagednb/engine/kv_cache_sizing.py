@@ -74,12 +74,12 @@ def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, 
     elif runner.device.type == "cuda":
         gpu_memory = _profile_gpu_memory(config, runner, max_model_len, max_num_batched_tokens)
         logger.info("%s", gpu_memory.report())
-        num_blocks = min(gpu_memory.available // runner.block_bytes(), useful)
-        source = f"gpu_memory_utilization={config.gpu_memory_utilization}"
+        num_blocks, source = _cap(gpu_memory.available // runner.block_bytes(), useful, max_num_seqs,
+                                  f"gpu_memory_utilization={config.gpu_memory_utilization}")
     else:
         budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-        num_blocks = min(budget // runner.block_bytes(), useful)
-        source = f"kv_cache_memory={budget / GiB:.2f} GiB"
+        num_blocks, source = _cap(budget // runner.block_bytes(), useful, max_num_seqs,
+                                  f"kv_cache_memory={budget / GiB:.2f} GiB")
     plan = PoolPlan(int(num_blocks), block_size, max_model_len, needed, source, gpu_memory)
     others = live_engines.describe(live_engines.on_device(runner.device))
     _refuse_if_too_small(plan, runner, others)
@@ -89,6 +89,15 @@ def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, 
     if others:
         logger.info("Note: %s", others)
     return plan
+
+
+def _cap(affordable: int, useful: int, max_num_seqs: int, source: str) -> tuple[int, str]:
+    """The blocks the budget affords, capped at what max_num_seqs full-length requests can use; the
+    source says which limit won, so a pool smaller than its memory budget explains itself."""
+    if affordable <= useful:
+        return affordable, source
+    return useful, (f"{source}, capped at max_num_seqs={max_num_seqs} x one max_model_len request, "
+                    f"as more could never be used")
 
 
 def blocks_for_one_request(max_model_len: int, block_size: int, sliding_window: int | None,

@@ -33,6 +33,7 @@ from pagednb.engine.output_processor import OutputProcessor
 from pagednb.engine.parallel_sampling import ParentRequest
 from pagednb.engine.scheduler import Scheduler
 from pagednb.engine.sleep import SLEEP_LEVELS, SleepingWeights, put_to_sleep, wake
+from pagednb.engine.step_report import StepRecorder
 from pagednb.model import load_hf_config, load_model, load_tokenizer, model_spec, resolve_model_path
 from pagednb.model.spec import check_start_up_memory
 from pagednb.outputs import RequestOutput
@@ -96,6 +97,7 @@ class LLMEngine:
         self.num_computed_tokens = 0  # prompt and recomputed tokens included: all the model processed
         self.closed = False
         self._sleeping: SleepingWeights | None = None  # set while asleep (engine/sleep.py)
+        self.step_recorder: StepRecorder | None = None  # set while a step debugger listens (engine/step_report.py)
         # Start-up promoted ~10^6 long-lived objects (torch, transformers, the model) into the oldest GC
         # generation without a full collection; serving's own survivors would then soon make one due, and it
         # walks them all: a ~250 ms pause in the middle of the first workload (benchmarks/NOTES.md). One full
@@ -172,13 +174,18 @@ class LLMEngine:
         Ctrl-C waits for the step's end (engine/interrupts.py): a step is never left half-done.
         """
         self._check_open()
+        recorder = self.step_recorder
         with deferred_interrupts():
+            if recorder is not None:
+                recorder.begin(self)
             aborted = self._apply_aborts()
             outputs: list[RequestOutput] = []
             overlap = self.async_scheduling and not self.needs_sync
             if not overlap:
                 outputs += self._complete_in_flight()
             sched = self.scheduler.schedule()
+            if recorder is not None:
+                recorder.scheduled(self, sched)
             self.runner.release_requests(sched.released_request_ids)
             launched = False
             if sched.scheduled:
@@ -189,7 +196,10 @@ class LLMEngine:
             # keep the step just launched in flight (its tokens are read at the next call), nothing older
             outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
             outputs += self._sample_deferred()
-            return self.output_processor.process(aborted) + outputs
+            outputs = self.output_processor.process(aborted) + outputs
+            if recorder is not None:
+                recorder.end(self, outputs)
+            return outputs
 
     @property
     def needs_sync(self) -> bool:

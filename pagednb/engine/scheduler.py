@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pagednb.engine.kv_cache_manager import KVCacheManager
 from pagednb.engine.request_queue import make_queue
+from pagednb.engine.step_report import out_of_blocks_reason
 from pagednb.request import Request, RequestStatus
 
 logger = logging.getLogger("pagednb")
@@ -35,6 +36,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    preemption_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why (step debugger)
     # Requests that left the running set since the last step (finished, aborted, preempted): the
     # model runner drops their rows.
     released_request_ids: list[str] = field(default_factory=list)
@@ -126,6 +128,7 @@ class Scheduler:
             num_new = budget
         while (new_block_ids := self.kv.allocate_slots(req, num_new)) is None:
             victim = max(self.running, key=Request.sort_key) if self.policy == "priority" else self.running[-1]
+            out.preemption_reasons[victim.request_id] = out_of_blocks_reason(self.kv, req, num_new)
             self._preempt(victim, out)
             if victim is req:
                 return 0

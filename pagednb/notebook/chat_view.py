@@ -5,6 +5,9 @@ conversation so far. The previous turns' tokens are therefore an exact prefix of
 the engine's prefix cache serves them: a follow-up's time to first token (shown under every reply)
 stays small however long the conversation grows.
 
+Enter in the input sends, like Send (the text box's "submit" message). The history follows new
+messages and a streaming reply to its bottom (autoscroll.py), unless the user scrolled up to read.
+
 Button handlers only hand work to the event loop (`call_soon_threadsafe`), since ipykernel 7.0-7.3 may
 run them on another thread and a stream must be started on the loop's own thread.
 """
@@ -15,6 +18,7 @@ import threading
 import ipywidgets as widgets
 
 from pagednb.chat_template import apply_chat_template, check_chat_template
+from pagednb.notebook.autoscroll import AutoScroll
 from pagednb.notebook.display import Displayable
 from pagednb.notebook.markdown import escape
 from pagednb.notebook.stream_view import DEFAULT_MAX_TOKENS, StreamView, _running_loop
@@ -45,7 +49,7 @@ class ChatView(Displayable):
         self.history_box.add_class("pagednb-chat-history")
         if system_prompt:
             self.history_box.children = (_bubble(f"<i>system:</i> {escape(system_prompt)}", _BUBBLE + "background:#fef3c7;"),)
-        self.input = widgets.Text(placeholder="Type a message and press Send",
+        self.input = widgets.Text(placeholder="Type a message and press Enter",
                                   layout=widgets.Layout(flex="1 1 auto", width="auto"))
         self.input.add_class("pagednb-chat-input")
         self.send_button = widgets.Button(description="Send", icon="paper-plane", button_style="primary",
@@ -55,8 +59,11 @@ class ChatView(Displayable):
                                             disabled=True, layout=widgets.Layout(width="auto"))
         self.cancel_button.add_class("pagednb-cancel")
         self.send_button.on_click(lambda _button: self._loop.call_soon_threadsafe(self._send_from_input))
+        self.input.on_msg(self._on_input_message)
         self.cancel_button.on_click(lambda _button: self.cancel())
-        self.widget = widgets.VBox([self.history_box, widgets.HBox([self.input, self.send_button, self.cancel_button])])
+        follow = AutoScroll(container="pagednb-chat", target="pagednb-chat-history")
+        self.widget = widgets.VBox([self.history_box, widgets.HBox([self.input, self.send_button, self.cancel_button]),
+                                    follow])
         self.widget.add_class("pagednb-chat")
 
     @property
@@ -101,6 +108,11 @@ class ChatView(Displayable):
         turn = self.turn
         if turn is not None:
             turn.cancel()
+
+    def _on_input_message(self, _widget, content: dict, _buffers) -> None:
+        """Enter in the text box: the browser sends {"event": "submit"} (after the typed value)."""
+        if content.get("event") == "submit":
+            self._loop.call_soon_threadsafe(self._send_from_input)
 
     def _send_from_input(self) -> None:
         text = self.input.value.strip()

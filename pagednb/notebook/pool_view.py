@@ -3,6 +3,11 @@
 A task on the running loop polls `llm.stats()` and `llm.block_map()` a few times a second and resends
 only the widgets whose content changed, so an idle engine costs no messages. The block map is the
 expensive part on big pools; its refresh is spaced so that drawing it takes at most ~5% of the loop.
+
+The view always ends on the truth: the refresh that sees the engine go idle redraws the block map too
+(however its spacing stands), and `stop()` draws the final state before it ends the task. Without that,
+"Run All" of a notebook that stops the view right after its last requests finish froze the view
+mid-run (`used 30 · running 6`) above a `llm.stats()` that showed 0.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ class PoolView(Displayable):
         self._samples: deque[tuple[float, int]] = deque()  # (time, generated_tokens)
         self._map_cost = 0.0
         self._map_due = 0.0
+        self._was_idle = True
 
         self.used = widgets.Label()
         self.used.add_class("pagednb-pool-used")
@@ -61,14 +67,21 @@ class PoolView(Displayable):
         self._update(force_map=True)
 
     def stop(self) -> None:
-        """Ends live updates (safe from any thread); the widgets keep their last state."""
+        """Ends live updates (safe from any thread) after drawing the final state, which the widgets keep."""
         task, loop = self._task, self._loop
         if task is None or loop is None or task.done():
             return
         if threading.get_ident() == self._loop_thread:
-            task.cancel()
+            self._final_refresh(task)
         else:
-            loop.call_soon_threadsafe(task.cancel)
+            loop.call_soon_threadsafe(self._final_refresh, task)
+
+    def _final_refresh(self, task: asyncio.Task) -> None:
+        task.cancel()
+        try:
+            self.refresh()
+        except Exception as error:  # e.g. the engine is already closed: keep what was drawn, say why
+            self.activity.value = f"pool view stopped: {error!r}"
 
     @property
     def live(self) -> bool:
@@ -92,8 +105,10 @@ class PoolView(Displayable):
             self._samples.popleft()
         self._set(self.used, "value", used_line(stats))
         self._set(self.usage_bar, "value", round(stats["kv_usage"], 4))
-        self._set(self.activity, "value", activity_line(stats, self.tokens_per_s()))
-        if force_map or now >= self._map_due:
+        idle = stats["running"] == 0 and stats["waiting"] == 0
+        self._set(self.activity, "value", activity_line(stats, 0.0 if idle else self.tokens_per_s()))
+        went_idle, self._was_idle = idle and not self._was_idle, idle
+        if force_map or went_idle or now >= self._map_due:
             start = time.perf_counter()
             html = self._map.render(self._llm.block_map())
             self._map_cost = time.perf_counter() - start

@@ -6,6 +6,11 @@ the final state always lands. The Cancel button only calls `llm.abort()` (thread
 7.0-7.3 may run handlers on another thread); the consuming task sees the request end with
 finish_reason "abort" and renders that itself, so widgets are only ever touched on the loop's thread.
 
+The "Token probabilities" toggle swaps the text for a token view (token_view.py): each token coloured by
+its probability, its top-k alternatives on hover. The view asks the engine for logprobs for that (the
+caller's `logprobs=k`, else DEFAULT_TOP_K), and creates the token widget only when the toggle is first
+pressed; the toggle's handler, like Cancel, only hands the switch to the loop's thread.
+
 Views fail soft: a rendering error (a Markdown bug, a widget that refuses a value) is logged once and
 the view falls back to plain escaped text; it never stops the consuming task, so the view still ends
 with its final text and status, Cancel disabled, and `await view` gives the final output.
@@ -23,6 +28,7 @@ from pagednb.notebook.display import Displayable
 from pagednb.notebook.markdown import markdown_to_html, plain_to_html
 from pagednb.notebook.prompts import engine_prompt
 from pagednb.notebook.throttle import BUDGET, STATUS_HZ, TEXT_HZ, Throttle
+from pagednb.notebook.token_view import DEFAULT_TOP_K, TokenView
 from pagednb.outputs import RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,9 +39,12 @@ DEFAULT_MAX_TOKENS = 256
 
 
 def streaming_params(sampling_params: SamplingParams | None) -> SamplingParams:
-    """The caller's params (a copy), made to report the cumulative text at every step."""
+    """The caller's params (a copy), made to report the cumulative text at every step, with the logprobs
+    the token view draws (the caller's k if they asked for logprobs)."""
     params = sampling_params.clone() if sampling_params is not None else SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
     params.output_kind = RequestOutputKind.CUMULATIVE
+    if params.logprobs is None:
+        params.logprobs = DEFAULT_TOP_K
     return params
 
 
@@ -56,6 +65,9 @@ class StreamView(Displayable):
         self._started = time.monotonic()
         self._latest: RequestOutput | None = None
         self._failed: set[str] = set()  # rendering steps that failed (each logged once)
+        self._loop = loop
+        self.tokens: TokenView | None = None  # created when the token toggle is first pressed
+        self._showing_tokens = False
 
         self.text = widgets.HTML(self._wrap(""))
         self.text.add_class("pagednb-stream-text")
@@ -65,7 +77,14 @@ class StreamView(Displayable):
                                             layout=widgets.Layout(width="auto"))
         self.cancel_button.add_class("pagednb-cancel")
         self.cancel_button.on_click(lambda _button: self.cancel())
-        footer = [self.cancel_button, self.status] if show_cancel else [self.status]
+        self.token_button = widgets.ToggleButton(description="Token probabilities", icon="eye",
+                                                 tooltip="colour each token by its probability; hover a token "
+                                                         "for the alternatives", layout=widgets.Layout(width="auto"))
+        self.token_button.add_class("pagednb-token-toggle")
+        self.token_button.observe(lambda change: loop.call_soon_threadsafe(
+            self._soft, lambda: self._show_tokens(change["new"]), "switching the token view"), "value")
+        footer = [self.cancel_button] if show_cancel else []
+        footer += [self.token_button, self.status]
         self.widget = widgets.VBox([self.text, widgets.HBox(footer, layout=widgets.Layout(align_items="center"))])
         self.widget.add_class("pagednb-stream")
 
@@ -150,8 +169,27 @@ class StreamView(Displayable):
     def _wrap(self, body: str) -> str:
         return f'<div style="{self._text_css}">{body}</div>' if self._text_css else body
 
+    def _show_tokens(self, on: bool) -> None:
+        """The toggle, on the loop's thread: shows the token view (created the first time) or the text."""
+        if on == self._showing_tokens:
+            return
+        if self.tokens is None:
+            self.tokens = TokenView(self._text_css, self._loop)
+            self.tokens.add_class("pagednb-token-view")
+            self.widget.children = (self.widget.children[0], self.tokens, *self.widget.children[1:])
+            BUDGET.take(1)
+        self._showing_tokens = on
+        self.tokens.layout.display = None if on else "none"
+        self.text.layout.display = "none" if on else None
+        BUDGET.take(2)
+        self._text_throttle.flush(self._render_text)  # the current state in the view just shown
+
     def _render_text(self) -> None:
         out = self._latest
+        if self._showing_tokens:
+            self._soft(lambda: self.tokens.update(out.outputs[0] if out and out.outputs else None),
+                       "rendering the tokens")
+            return
         text = out.outputs[0].text if out and out.outputs else ""
         if not self._soft(lambda: setattr(self.text, "value", self._wrap(self._to_html(text))), "rendering the text"):
             self._to_html = plain_to_html  # from now on: a stream that flips between the two would flicker
