@@ -253,27 +253,102 @@ def test_the_token_view_sends_only_the_new_tokens_and_all_of_them_when_a_browser
     assert messages[-1] == {"start": 0, "rows": expected} and view.rows == expected
 
 
-def test_the_token_toggle_shows_the_tokens_and_only_creates_the_widget_when_pressed(llm, sent):
+def scored_rows(llm, out):
+    """The token rows of a reply scored independently: prompt + reply prefilled with prompt_logprobs."""
+    prompt, reply = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+    scored = llm.generate({"prompt_token_ids": prompt + reply},
+                          SamplingParams(max_tokens=1, prompt_logprobs=DEFAULT_TOP_K), use_tqdm=False)[0]
+    return [token_row(t, p) for t, p in zip(reply, scored.prompt_logprobs[len(prompt):])]
+
+
+def test_the_token_toggle_scores_a_finished_reply_and_only_creates_the_widget_when_pressed(llm, sent):
     async def main():
         view = stream(llm, MESSAGES, SamplingParams(max_tokens=40, temperature=0), display=False)
         out = await view
         untouched = view.tokens
-        messages_before = len(sent)
         view.token_button.value = True  # the click, as the browser syncs it
         await until(lambda: view.tokens is not None and len(view.tokens.rows) == len(out.outputs[0].token_ids))
         shown = (view.tokens.layout.display, view.text.layout.display)
         view.token_button.value = False
         await until(lambda: view.text.layout.display is None)
-        return view, out, untouched, messages_before, shown
-    view, out, untouched, messages_before, shown = asyncio.run(main())
+        return view, out, untouched, shown
+    view, out, untouched, shown = asyncio.run(main())
     assert untouched is None  # no token widget, and no token messages, until the toggle is pressed
-    assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs[0]) >= DEFAULT_TOP_K
+    assert out.outputs[0].logprobs is None  # the engine computed no logprobs for a view nobody toggled
     assert isinstance(view.tokens, TokenView) and view.tokens in view.widget.children
-    completion = out.outputs[0]
-    assert view.tokens.rows == [token_row(t, p) for t, p in zip(completion.token_ids, completion.logprobs)]
+    assert view.tokens.rows == scored_rows(llm, out)
+    # the scored numbers are the ones logprobs= gives while generating (same tokens: greedy)
+    direct = llm.chat(MESSAGES, SamplingParams(max_tokens=40, temperature=0, logprobs=DEFAULT_TOP_K),
+                      use_tqdm=False)[0].outputs[0]
+    assert direct.token_ids == out.outputs[0].token_ids
+    for (text, p, rank, _), token_id, position in zip(view.tokens.rows, direct.token_ids, direct.logprobs):
+        assert p == pytest.approx(np.exp(position[token_id].logprob), abs=1e-4) and rank == position[token_id].rank
     assert shown == (None, "none")
     assert view.tokens.layout.display == "none"
     assert "mouseover" in view.tokens._esm  # the hover that shows the alternatives
+
+
+def test_a_toggle_pressed_while_the_reply_streams_scores_it_again_when_it_ends(llm):
+    async def main():
+        view = stream(llm, MESSAGES, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0), display=False)
+        await until(lambda: view.latest is not None and len(view.latest.outputs[0].token_ids) >= 3)
+        view.token_button.value = True
+        out = await view
+        await until(lambda: view.tokens is not None and len(view.tokens.rows) == 60)
+        return view, out
+    view, out = asyncio.run(main())
+    assert view.tokens.rows == scored_rows(llm, out)
+
+
+def test_a_scoring_that_fails_is_logged_once_and_not_retried(llm, monkeypatch, caplog):
+    calls = []
+
+    async def refuse(prompt, params, **_):
+        calls.append(params)
+        raise RuntimeError("the engine is closed")
+
+    async def main():
+        view = stream(llm, MESSAGES, SamplingParams(max_tokens=10, temperature=0), display=False)
+        await view
+        monkeypatch.setattr(llm, "agenerate", refuse)
+        view.token_button.value = True
+        await until(lambda: view.tokens is not None and calls and view._scoring is None)
+        await asyncio.sleep(0.05)
+        return view
+    with caplog.at_level("WARNING", logger="pagednb"):
+        view = asyncio.run(main())
+    assert len(calls) == 1 and calls[0].prompt_logprobs == DEFAULT_TOP_K
+    assert view.tokens.rows == [] and "scoring the tokens failed" in caplog.text
+
+
+def test_a_view_opened_with_the_token_view_draws_the_engines_logprobs_live(llm):
+    async def main():
+        view = stream(llm, MESSAGES, SamplingParams(max_tokens=20, temperature=0), token_view=True, display=False)
+        assert view.tokens is not None and view.token_button.value  # open before the first token
+        out = await view
+        await until(lambda: len(view.tokens.rows) == len(out.outputs[0].token_ids))
+        return view, out
+    view, out = asyncio.run(main())
+    completion = out.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs[0]) >= DEFAULT_TOP_K
+    assert view.tokens.rows == [token_row(t, p) for t, p in zip(completion.token_ids, completion.logprobs)]
+    assert view.text.layout.display == "none"
+
+
+def test_a_chat_reply_after_one_shown_as_tokens_streams_its_tokens_live(llm):
+    async def main():
+        view = chat(llm, sampling_params=SamplingParams(max_tokens=8, temperature=0), display=False)
+        first = view.send("Tell me a story about a dog named Max.")
+        await first
+        second_plain = view.send("Another one.")
+        await second_plain
+        second_plain.token_button.value = True  # the reader looks at this reply's tokens...
+        await until(lambda: second_plain.tokens is not None and second_plain.tokens.rows)
+        third = view.send("And a third.")  # ...and keeps the token view on for the next
+        return await first, third, await third
+    first, third, out = asyncio.run(main())
+    assert first.outputs[0].logprobs is None
+    assert third.tokens is not None and third.token_button.value and out.outputs[0].logprobs is not None
 
 
 def test_a_caller_asking_for_logprobs_gets_its_own_k(llm):

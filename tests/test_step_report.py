@@ -236,3 +236,15 @@ def test_reports_under_asynchronous_scheduling_on_a_gpu(tiny_model_dir):
         assert sum(r.num_batched_tokens for r in reports) == llm.stats()["computed_tokens"]
         assert sorted(rid for r in reports for rid, _ in r.finished) == ["a", "b"]
         assert sum(r.blocks_allocated + r.blocks_hit for r in reports) == sum(r.blocks_freed for r in reports)
+
+
+def test_steps_are_numbered_by_the_batch_they_schedule_under_asynchronous_scheduling(make_llm):
+    """With a step in flight, the next one schedules batch N + 2 while stats()["steps"] (finished steps)
+    says N: each debug_step (a recorder of its own) must still number its batch N + 2, not repeat N + 1."""
+    llm = make_llm(async_scheduling=True)
+    llm.engine.add_request("a", prompt(5), params(4))
+    reports = []
+    while llm.engine.has_unfinished_requests():
+        reports.append(llm.debug_step())
+    assert [r.step for r in reports] == list(range(1, len(reports) + 1))
+    assert llm.stats()["steps"] == len(reports) - 1  # the last call only finished the step in flight

@@ -157,7 +157,7 @@ class EngineDriver:
 
     def _recorder(self) -> StepRecorder:
         if self.engine.step_recorder is None:
-            self.engine.step_recorder = StepRecorder(first_step=self.engine.num_steps + 1)
+            self.engine.step_recorder = StepRecorder(first_step=self.engine.num_steps_launched + 1)
         return self.engine.step_recorder
 
     def _drop_recorder_if_unused(self) -> None:

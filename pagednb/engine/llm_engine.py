@@ -158,6 +158,12 @@ class LLMEngine:
         with self._abort_lock:
             self._pending_aborts.update(ids)
 
+    @property
+    def num_steps_launched(self) -> int:
+        """Steps launched so far: the finished ones (num_steps, stats()["steps"]) and, under asynchronous
+        scheduling, the one still in flight, whose tokens the next step reads."""
+        return self.num_steps + len(self._in_flight)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts) or bool(self._in_flight)
 

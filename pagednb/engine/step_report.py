@@ -59,7 +59,7 @@ class PoolCounts:
 class StepReport:
     """One step of the engine as the scheduler and the KV cache saw it."""
 
-    step: int  # counted on from the engine's step count (stats()["steps"]) when recording began
+    step: int  # counted on from the steps the engine had launched when recording began
     rows: tuple[BatchRow, ...]
     num_batched_tokens: int
     max_num_batched_tokens: int

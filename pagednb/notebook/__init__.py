@@ -1,7 +1,10 @@
-"""Notebook views on the public engine API (`LLM.stream`, `abort`, `stats`, `block_map`): a streaming
-reply with Cancel and a token-probability view, a chat, and the live KV pool; and the engine debugger's tools (`pause`, `debug_step`,
-`prefix_cache_snapshot`): a step-through debugger, the prefix-cache tree and a memory planner. Needs
-ipywidgets and anywidget (`pip install pagednb[notebook]`)."""
+"""Notebook views on the public engine API: a streaming reply, a chat and the live KV pool.
+
+`stream` (with Cancel and a token-probability view), `chat` and `pool_view` use `LLM.stream`, `abort`,
+`stats` and `block_map`; the engine debugger's tools use `pause`, `debug_step` and
+`prefix_cache_snapshot`: a step-through debugger (`step_view`), the prefix-cache tree (`prefix_tree`)
+and a memory planner (`plan`, `planner_view`). Needs ipywidgets and anywidget (`pip install
+pagednb[notebook]`)."""
 from pagednb.notebook.chat_view import ChatView, chat
 from pagednb.notebook.planner import PlannerView, planner_view
 from pagednb.notebook.pool_view import PoolView, pool_view

@@ -45,26 +45,25 @@ class ChatView(Displayable):
         self.turn: StreamView | None = None  # the latest assistant turn
 
         # display "block" so a long history scrolls; a flex column would squeeze the bubbles instead
-        self.history_box = widgets.VBox([], layout=widgets.Layout(max_height="480px", overflow="auto", display="block"))
-        self.history_box.add_class("pagednb-chat-history")
+        self.history_box = widgets.VBox([], layout=widgets.Layout(max_height="480px", overflow="auto", display="block"),
+                                       _dom_classes=["pagednb-chat-history"])
         if system_prompt:
             self.history_box.children = (_bubble(f"<i>system:</i> {escape(system_prompt)}", _BUBBLE + "background:#fef3c7;"),)
         self.input = widgets.Text(placeholder="Type a message and press Enter",
-                                  layout=widgets.Layout(flex="1 1 auto", width="auto"))
-        self.input.add_class("pagednb-chat-input")
+                                  layout=widgets.Layout(flex="1 1 auto", width="auto"),
+                                  _dom_classes=["pagednb-chat-input"])
         self.send_button = widgets.Button(description="Send", icon="paper-plane", button_style="primary",
-                                          layout=widgets.Layout(width="auto"))
-        self.send_button.add_class("pagednb-send")
+                                          layout=widgets.Layout(width="auto"),
+                                          _dom_classes=["pagednb-send"])
         self.cancel_button = widgets.Button(description="Cancel", icon="stop", button_style="warning",
-                                            disabled=True, layout=widgets.Layout(width="auto"))
-        self.cancel_button.add_class("pagednb-cancel")
+                                            disabled=True, layout=widgets.Layout(width="auto"),
+                                            _dom_classes=["pagednb-cancel"])
         self.send_button.on_click(lambda _button: self._loop.call_soon_threadsafe(self._send_from_input))
         self.input.on_msg(self._on_input_message)
         self.cancel_button.on_click(lambda _button: self.cancel())
         follow = AutoScroll(container="pagednb-chat", target="pagednb-chat-history")
         self.widget = widgets.VBox([self.history_box, widgets.HBox([self.input, self.send_button, self.cancel_button]),
-                                    follow])
-        self.widget.add_class("pagednb-chat")
+                                    follow], _dom_classes=["pagednb-chat"])
 
     @property
     def busy(self) -> bool:
@@ -81,8 +80,10 @@ class ChatView(Displayable):
         self.history.append({"role": "user", "content": text})
         try:
             ids = apply_chat_template(self._tokenizer, self.history)
+            # a reader who left the token view on gets the next reply's tokens live
+            token_view = self.turn is not None and self.turn.token_button.value
             turn = StreamView(self._llm, {"prompt_token_ids": ids}, self._params_for(len(ids)), show_cancel=False,
-                              text_css=ASSISTANT_CSS, on_final=self._on_final)
+                              text_css=ASSISTANT_CSS, on_final=self._on_final, token_view=token_view)
         except Exception:
             self.history.pop()  # the turn never started: the conversation stays as it was
             raise
@@ -142,8 +143,8 @@ class ChatView(Displayable):
 
 
 def _bubble(html: str, css: str) -> widgets.HTML:
-    bubble = widgets.HTML(f'<div style="{css}">{html}</div>', layout=widgets.Layout(width="100%"))
-    bubble.add_class("pagednb-chat-bubble")
+    bubble = widgets.HTML(f'<div style="{css}">{html}</div>', layout=widgets.Layout(width="100%"),
+                          _dom_classes=["pagednb-chat-bubble"])
     return bubble
 
 

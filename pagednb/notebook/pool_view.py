@@ -39,17 +39,14 @@ class PoolView(Displayable):
         self._map_due = 0.0
         self._was_idle = True
 
-        self.used = widgets.Label()
-        self.used.add_class("pagednb-pool-used")
+        self.used = widgets.Label(_dom_classes=["pagednb-pool-used"])
         self.usage_bar = widgets.FloatProgress(min=0.0, max=1.0, description="KV usage",
-                                               layout=widgets.Layout(width="320px"))
-        self.usage_bar.add_class("pagednb-pool-usage")
-        self.activity = widgets.Label()
-        self.activity.add_class("pagednb-pool-activity")
-        self.block_map = widgets.HTML()
-        self.block_map.add_class("pagednb-block-map")
-        self.widget = widgets.VBox([widgets.HBox([self.usage_bar, self.used]), self.activity, self.block_map])
-        self.widget.add_class("pagednb-pool")
+                                               layout=widgets.Layout(width="320px"),
+                                               _dom_classes=["pagednb-pool-usage"])
+        self.activity = widgets.Label(_dom_classes=["pagednb-pool-activity"])
+        self.block_map = widgets.HTML(_dom_classes=["pagednb-block-map"])
+        self.widget = widgets.VBox([widgets.HBox([self.usage_bar, self.used]), self.activity, self.block_map],
+                                   _dom_classes=["pagednb-pool"])
 
         self.refresh()
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -7,9 +7,13 @@ the final state always lands. The Cancel button only calls `llm.abort()` (thread
 finish_reason "abort" and renders that itself, so widgets are only ever touched on the loop's thread.
 
 The "Token probabilities" toggle swaps the text for a token view (token_view.py): each token coloured by
-its probability, its top-k alternatives on hover. The view asks the engine for logprobs for that (the
-caller's `logprobs=k`, else DEFAULT_TOP_K), and creates the token widget only when the toggle is first
-pressed; the toggle's handler, like Cancel, only hands the switch to the loop's thread.
+its probability, its top-k alternatives on hover. A view opened with `token_view=True` asks the engine
+for logprobs (the caller's `logprobs=k`, else DEFAULT_TOP_K) and colours the tokens live. Any other view
+asks for none (they cost the engine a few percent of every step, for replies nobody may inspect) unless
+the caller did; pressing its toggle then scores the reply: the prompt and the reply so far, prefilled once
+with `prompt_logprobs` (the same raw logprobs), and once more when a running reply ends. The token widget
+is created only when the toggle is first pressed; the toggle's handler, like Cancel, only hands the
+switch to the loop's thread.
 
 Views fail soft: a rendering error (a Markdown bug, a widget that refuses a value) is logged once and
 the view falls back to plain escaped text; it never stops the consuming task, so the view still ends
@@ -29,7 +33,7 @@ from pagednb.notebook.markdown import markdown_to_html, plain_to_html
 from pagednb.notebook.prompts import engine_prompt
 from pagednb.notebook.throttle import BUDGET, STATUS_HZ, TEXT_HZ, Throttle
 from pagednb.notebook.token_view import DEFAULT_TOP_K, TokenView
-from pagednb.outputs import RequestOutput
+from pagednb.outputs import CompletionOutput, RequestOutput
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagednb")
@@ -38,12 +42,12 @@ logger = logging.getLogger("pagednb")
 DEFAULT_MAX_TOKENS = 256
 
 
-def streaming_params(sampling_params: SamplingParams | None) -> SamplingParams:
-    """The caller's params (a copy), made to report the cumulative text at every step, with the logprobs
-    the token view draws (the caller's k if they asked for logprobs)."""
+def streaming_params(sampling_params: SamplingParams | None, token_view: bool = False) -> SamplingParams:
+    """The caller's params (a copy), made to report the cumulative text at every step; for a view whose
+    token view is open from the start, with the logprobs it draws (the caller's k if they asked)."""
     params = sampling_params.clone() if sampling_params is not None else SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
     params.output_kind = RequestOutputKind.CUMULATIVE
-    if params.logprobs is None:
+    if token_view and params.logprobs is None:
         params.logprobs = DEFAULT_TOP_K
     return params
 
@@ -53,11 +57,12 @@ class StreamView(Displayable):
 
     def __init__(self, llm, prompt, sampling_params: SamplingParams | None = None, *, markdown: bool = True,
                  request_id: str | None = None, show_cancel: bool = True, text_css: str = "",
-                 on_final: Callable[[RequestOutput | None], None] | None = None) -> None:
+                 on_final: Callable[[RequestOutput | None], None] | None = None, token_view: bool = False) -> None:
         loop = _running_loop()
         self._llm = llm
         # Started before any widget exists: a bad prompt raises here and leaves nothing behind.
-        self._stream = llm.stream(engine_prompt(llm, prompt), streaming_params(sampling_params), request_id=request_id)
+        self._stream = llm.stream(engine_prompt(llm, prompt), streaming_params(sampling_params, token_view),
+                                  request_id=request_id)
         self.request_id: str = self._stream.request_id
         self._to_html = markdown_to_html if markdown else plain_to_html
         self._text_css = text_css
@@ -68,31 +73,35 @@ class StreamView(Displayable):
         self._loop = loop
         self.tokens: TokenView | None = None  # created when the token toggle is first pressed
         self._showing_tokens = False
+        self._scored: CompletionOutput | None = None  # the reply's scored tokens, when it has no logprobs
+        self._scoring: asyncio.Task | None = None
 
-        self.text = widgets.HTML(self._wrap(""))
-        self.text.add_class("pagednb-stream-text")
-        self.status = widgets.Label("waiting for the first token…")
-        self.status.add_class("pagednb-status")
+        # CSS classes given to the constructors travel in the widgets' comm_open: add_class() afterwards
+        # would send one more message per widget, a burst of them when several views open at once.
+        self.text = widgets.HTML(self._wrap(""), _dom_classes=["pagednb-stream-text"])
+        self.status = widgets.Label("waiting for the first token…", _dom_classes=["pagednb-status"])
         self.cancel_button = widgets.Button(description="Cancel", icon="stop", button_style="warning",
-                                            layout=widgets.Layout(width="auto"))
-        self.cancel_button.add_class("pagednb-cancel")
+                                            layout=widgets.Layout(width="auto"),
+                                            _dom_classes=["pagednb-cancel"])
         self.cancel_button.on_click(lambda _button: self.cancel())
-        self.token_button = widgets.ToggleButton(description="Token probabilities", icon="eye",
+        self.token_button = widgets.ToggleButton(value=token_view, description="Token probabilities", icon="eye",
                                                  tooltip="colour each token by its probability; hover a token "
-                                                         "for the alternatives", layout=widgets.Layout(width="auto"))
-        self.token_button.add_class("pagednb-token-toggle")
+                                                         "for the alternatives", layout=widgets.Layout(width="auto"),
+                                                 _dom_classes=["pagednb-token-toggle"])
         self.token_button.observe(lambda change: loop.call_soon_threadsafe(
             self._soft, lambda: self._show_tokens(change["new"]), "switching the token view"), "value")
         footer = [self.cancel_button] if show_cancel else []
         footer += [self.token_button, self.status]
-        self.widget = widgets.VBox([self.text, widgets.HBox(footer, layout=widgets.Layout(align_items="center"))])
-        self.widget.add_class("pagednb-stream")
+        self.widget = widgets.VBox([self.text, widgets.HBox(footer, layout=widgets.Layout(align_items="center"))],
+                                   _dom_classes=["pagednb-stream"])
 
         self._text_throttle = Throttle(TEXT_HZ, loop=loop)
         self._status_throttle = Throttle(STATUS_HZ, loop=loop)
         self._future: asyncio.Future[RequestOutput] = loop.create_future()
         self._future.add_done_callback(_mark_retrieved)  # a failure is shown in the view; no stray log
         self._task = loop.create_task(self._consume(), name=f"pagednb-stream-view-{self.request_id}")
+        if token_view:
+            self._show_tokens(True)
 
     # ---- the handle --------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -148,6 +157,8 @@ class StreamView(Displayable):
         self._status_throttle.close()
         BUDGET.take(1)
         self._soft(lambda: setattr(self.cancel_button, "disabled", True), "disabling Cancel")
+        if self._showing_tokens:
+            self._score_if_needed()  # the tokens that arrived since the toggle was pressed
         if self._on_final is not None:
             self._soft(lambda: self._on_final(final), "the on_final callback")
 
@@ -160,11 +171,14 @@ class StreamView(Displayable):
             action()
             return True
         except Exception:
-            if what not in self._failed:
-                self._failed.add(what)
-                logger.warning("pagednb view %s: %s failed; the view carries on", self.request_id, what,
-                               exc_info=True)
+            self._log_failure(what)
             return False
+
+    def _log_failure(self, what: str) -> None:
+        """Logs the error being handled, once per kind of step."""
+        if what not in self._failed:
+            self._failed.add(what)
+            logger.warning("pagednb view %s: %s failed; the view carries on", self.request_id, what, exc_info=True)
 
     def _wrap(self, body: str) -> str:
         return f'<div style="{self._text_css}">{body}</div>' if self._text_css else body
@@ -175,20 +189,59 @@ class StreamView(Displayable):
             return
         if self.tokens is None:
             self.tokens = TokenView(self._text_css, self._loop)
-            self.tokens.add_class("pagednb-token-view")
             self.widget.children = (self.widget.children[0], self.tokens, *self.widget.children[1:])
             BUDGET.take(1)
         self._showing_tokens = on
         self.tokens.layout.display = None if on else "none"
         self.text.layout.display = "none" if on else None
         BUDGET.take(2)
+        if on:
+            self._score_if_needed()
         self._text_throttle.flush(self._render_text)  # the current state in the view just shown
+
+    def _score_if_needed(self) -> None:
+        """Starts scoring the reply if it has tokens without logprobs and no scoring is under way."""
+        out = self._latest
+        completion = out.outputs[0] if out is not None and out.outputs else None
+        if completion is None or completion.logprobs is not None or self._scoring is not None:
+            return
+        if self._scored is None or len(self._scored.token_ids) < self._scorable(out):
+            self._scoring = self._loop.create_task(self._score(out), name=f"pagednb-score-{self.request_id}")
+
+    async def _score(self, out: RequestOutput) -> None:
+        """The reply's token probabilities from one prefill of the prompt and the reply with prompt_logprobs:
+        position p's entry is what the model gave token p, as `logprobs=` would have reported it. The
+        scoring request must leave room for one token, so a reply that filled max_model_len loses its tail."""
+        prompt = list(out.prompt_token_ids)
+        reply = list(out.outputs[0].token_ids)[:self._scorable(out)]
+        try:
+            scored = await self._llm.agenerate({"prompt_token_ids": prompt + reply},
+                                               SamplingParams(max_tokens=1, prompt_logprobs=DEFAULT_TOP_K))
+            if scored.error is not None:
+                raise scored.error
+        except Exception:  # the engine refused or failed it: the token view keeps what it has (no retry)
+            self._log_failure("scoring the tokens")
+            return
+        finally:
+            self._scoring = None
+        self._scored = CompletionOutput(0, "", reply, logprobs=scored.prompt_logprobs[len(prompt):])
+        if self._showing_tokens:
+            BUDGET.take(1)
+            self._render_text()
+        if self.done:
+            self._score_if_needed()  # the reply ended while it was being scored: its tail too
+
+    def _scorable(self, out: RequestOutput) -> int:
+        """How many of the reply's tokens a scoring request can hold (it needs room for one token)."""
+        return min(len(out.outputs[0].token_ids), max(0, self._llm.max_model_len - 1 - len(out.prompt_token_ids)))
 
     def _render_text(self) -> None:
         out = self._latest
         if self._showing_tokens:
-            self._soft(lambda: self.tokens.update(out.outputs[0] if out and out.outputs else None),
-                       "rendering the tokens")
+            completion = out.outputs[0] if out and out.outputs else None
+            if completion is not None and completion.logprobs is None:
+                completion = self._scored  # a reply without logprobs: its scored tokens (or none yet)
+            self._soft(lambda: self.tokens.update(completion), "rendering the tokens")
             return
         text = out.outputs[0].text if out and out.outputs else ""
         if not self._soft(lambda: setattr(self.text, "value", self._wrap(self._to_html(text))), "rendering the text"):
@@ -235,12 +288,14 @@ def _running_loop() -> asyncio.AbstractEventLoop:
 
 
 def stream(llm, prompt, sampling_params: SamplingParams | None = None, *, markdown: bool = True,
-           display: bool = True) -> StreamView:
+           token_view: bool = False, display: bool = True) -> StreamView:
     """Streams one reply into the cell (rendered Markdown, or plain text with markdown=False) with a
     Cancel button and a status line; returns at once. `out = await stream(...)` waits for the end.
 
-    `prompt` is anything `llm.stream` takes, or a list of chat messages (templated like `llm.chat`)."""
-    view = StreamView(llm, prompt, sampling_params, markdown=markdown)
+    `prompt` is anything `llm.stream` takes, or a list of chat messages (templated like `llm.chat`).
+    `token_view=True` shows the tokens coloured by probability as they arrive (the engine then computes
+    logprobs for this request); otherwise the "Token probabilities" toggle scores the reply when pressed."""
+    view = StreamView(llm, prompt, sampling_params, markdown=markdown, token_view=token_view)
     if display:
         view.show()
     return view

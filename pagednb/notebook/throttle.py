@@ -12,6 +12,11 @@ Two limits apply to every update:
 `flush()` renders at once regardless of both: final states (a finished stream) must always land, and
 there are only a few of them. They, clicks and the pool view's few messages are still counted: they
 put the bucket into debt, which the throttled updates then wait out.
+
+Not counted: a widget's `comm_open` (anywidget's too: its JavaScript and CSS travel in it). A view opens
+its widgets once, when it is made; they carry their initial state and CSS classes (given to the
+constructors, so no update follows), and a cell makes views at human speed, not per token. The token
+view is opened only when its toggle is first pressed; the chat opens one bubble per turn.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ hovering one shows the top-k alternatives at that position (the engine's vLLM-st
 
 It is an anywidget (the JavaScript is static/token_view.js), so it renders wherever anywidget does:
 JupyterLab, Notebook 7, VS Code, Colab, marimo. The stream and chat views create one only when their
-"Token probabilities" toggle is first pressed, and feed it through the same throttle as their text, so
-a reply nobody looks at token by token costs no messages at all.
+"Token probabilities" toggle is first pressed (or the view is opened with `token_view=True`), and feed
+it through the same throttle as their text, so a reply nobody looks at token by token costs no messages
+at all (nor logprobs in the engine: stream_view.py).
 
 A reply only grows, so an update sends only the rows of the new tokens (one custom message); a synced
 trait would resend, JSON-encode and compare the whole reply, with its alternatives, on every update. A
@@ -38,7 +39,7 @@ class TokenView(anywidget.AnyWidget):
     box_css = traitlets.Unicode("").tag(sync=True)  # the reply's own style (a chat bubble)
 
     def __init__(self, box_css: str = "", loop: asyncio.AbstractEventLoop | None = None) -> None:
-        super().__init__(box_css=box_css)
+        super().__init__(box_css=box_css, _dom_classes=["pagednb-token-view"])
         self.rows: list[TokenRow] = []
         self._loop = loop  # where sends happen: a browser's request may arrive on another thread
         self.on_msg(self._on_browser_message)
