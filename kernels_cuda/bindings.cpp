@@ -47,6 +47,12 @@ bool aligned16(std::initializer_list<const void*> ptrs, std::initializer_list<in
   return all % 16 == 0;
 }
 
+// The fused MoE kernel's shapes: rows of whole 16-byte vectors, experts within the routing kernel's counters.
+bool moe_shape_ok(int T, int H, int I, int E, int topk) {
+  return T >= 0 && H > 0 && I > 0 && H % 8 == 0 && I % 8 == 0 && E >= 1 && E <= pagednb::kMoeMaxExperts &&
+         topk >= 1 && topk <= E && (int64_t)T * topk <= INT32_MAX;
+}
+
 int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
 // Resident CTAs per SM of the kernel serving decode rows of this configuration: the row kernel (GMAX query
@@ -138,14 +144,15 @@ int pagednb_write_kv(const void* key, const void* value, int64_t k_stride_tok, i
 // ---- fused elementwise ops (fused_ops.cu): element strides, 16-byte aligned rows ------------------------
 int pagednb_rms_norm(int dtype, void* out, void* residual_out, const void* x, int64_t x_stride,
                      const void* residual, int64_t residual_stride, const void* weight, int rows, int hidden,
-                     float eps, void* stream) {
+                     float eps, float weight_offset, int weight_in_float32, void* stream) {
   if (!supported_dtype(dtype) || hidden <= 0 || rows < 0) return -1;
   if (residual != nullptr && residual_out == nullptr) return -1;
   const int64_t es = elem_size(dtype);
   if (hidden * es > pagednb::kMaxNormRowBytes) return -1;
   if (!aligned16({out, residual_out, x, residual, weight}, {x_stride * es, residual_stride * es, hidden * es}))
     return -1;
-  pagednb::RmsNormArgs a{out, residual_out, x, residual, weight, x_stride, residual_stride, rows, hidden, eps};
+  pagednb::RmsNormArgs a{out,      residual_out, x,      residual, weight, x_stride,
+                         residual_stride, rows, hidden, eps, {weight_offset, weight_in_float32}};
   return pagednb::launch_rms_norm(dtype, a, stream);
 }
 
@@ -154,7 +161,8 @@ int pagednb_rms_norm(int dtype, void* out, void* residual_out, const void* x, in
 int pagednb_qk_norm_rope(int dtype, void* q, int64_t q_stride_tok, int64_t q_stride_head, void* k,
                          int64_t k_stride_tok, int64_t k_stride_head, const void* cos, const void* sin,
                          int64_t cos_sin_stride, const void* q_weight, const void* k_weight, int num_tokens,
-                         int num_heads, int num_kv_heads, int head_dim, float eps, const void* v, int64_t v_stride_tok,
+                         int num_heads, int num_kv_heads, int head_dim, float eps, float weight_offset,
+                         int weight_in_float32, const void* v, int64_t v_stride_tok,
                          int64_t v_stride_head, void* cache, int64_t cache_v_offset, const int64_t* slots,
                          void* stream) {
   if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || num_tokens < 0 || num_heads <= 0 ||
@@ -168,7 +176,8 @@ int pagednb_qk_norm_rope(int dtype, void* q, int64_t q_stride_tok, int64_t q_str
     return -1;
   pagednb::QkRopeArgs a{q, k, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head, cos, sin, cos_sin_stride,
                         q_weight, k_weight, num_tokens, num_heads, num_kv_heads, head_dim, eps,
-                        v, v_stride_tok, v_stride_head, cache, cache_v_offset, slots};
+                        {weight_offset, weight_in_float32}, v, v_stride_tok, v_stride_head, cache, cache_v_offset,
+                        slots};
   return pagednb::launch_qk_norm_rope(dtype, a, stream);
 }
 
@@ -203,6 +212,27 @@ int pagednb_gemv(int dtype, void* out, int64_t out_stride, const void* x, int64_
   return pagednb::launch_gemv(dtype, a, stream);
 }
 
+// ---- fused mixture-of-experts MLP (moe.cu): bf16 / fp16; int64 expert ids, weights float32 or the model's ---
+// Bytes of scratch pagednb_fused_moe needs for this shape; -1 for a shape it does not take.
+int64_t pagednb_moe_workspace_bytes(int T, int H, int I, int E, int topk) {
+  return moe_shape_ok(T, H, I, E, topk) ? pagednb::moe_workspace_bytes(T, H, I, E, topk) : -1;
+}
+
+int pagednb_fused_moe(int dtype, void* out, const void* hidden, int64_t hidden_stride, const void* w13,
+                      const void* w2, const int64_t* topk_ids, const void* topk_weights, int weights_dtype,
+                      void* workspace, int T, int H, int I, int E, int topk, void* stream) {
+  if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
+  if (weights_dtype != pagednb::kFloat32 && weights_dtype != dtype) return -1;
+  if (!moe_shape_ok(T, H, I, E, topk) || hidden_stride < H) return -1;
+  if (T > 0 && (out == nullptr || hidden == nullptr || w13 == nullptr || w2 == nullptr || topk_ids == nullptr ||
+                topk_weights == nullptr || workspace == nullptr))
+    return -1;
+  if (!aligned16({out, hidden, w13, w2, workspace}, {hidden_stride * 2})) return -1;
+  pagednb::FusedMoeArgs a{out, hidden, hidden_stride, w13, w2, topk_ids, topk_weights, weights_dtype, workspace,
+                          T, H, I, E, topk};
+  return pagednb::launch_fused_moe(dtype, a, stream);
+}
+
 // ---- the tables of what the kernels take, read by pagednb/kernels/abi.py ------------------------------------
 // torch's name of a dtype code ("bfloat16"); nullptr past the last code.
 const char* pagednb_dtype_name(int code) { return supported_dtype(code) ? kDTypeNames[code] : nullptr; }
@@ -213,6 +243,7 @@ int pagednb_head_dim(int index) { return index >= 0 && index < kNumHeadDims ? pa
 int64_t pagednb_max_norm_row_bytes() { return pagednb::kMaxNormRowBytes; }
 int pagednb_max_sample_vocab() { return pagednb::kMaxSampleVocab; }
 int pagednb_gemv_max_rows() { return pagednb::kGemvMaxRows; }
+int pagednb_moe_max_experts() { return pagednb::kMoeMaxExperts; }
 
 int pagednb_params_size() { return (int)sizeof(AttnParams); }
 

@@ -73,6 +73,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) 
 }
 
 // 2^x; MUFU.EX2 (about 2 ulp). ex2.approx.ftz(-inf) = +0.
+// Gemma 2's attention logit soft-capping, s -> c * tanh(s / c), with c in the units of s (c <= 0: none).
+// Applied to a score before it is masked (tanh would turn a masked -inf into -c).
+__device__ __forceinline__ float soft_cap(float s, float c) { return c > 0.f ? c * tanhf(s / c) : s; }
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

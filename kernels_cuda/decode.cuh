@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
           for (int e = 0; e < VEC; ++e) d = fmaf(qf[g][v][e], kf[v][e], d);
 #pragma unroll
         for (int o = TPR / 2; o >= 1; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        sc[u][g] = valid[u] ? d : -INFINITY;
+        sc[u][g] = valid[u] ? soft_cap(d, p.softcap_log2) : -INFINITY;  // q carries scale * log2(e)
       }
     }
 #pragma unroll

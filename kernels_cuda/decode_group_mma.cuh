@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = t0 + nt * 8 + 2 * quad + (e & 1);
-        sc[nt][e] = t < t_end ? sc[nt][e] * sl2 : -INFINITY;
+        sc[nt][e] = t < t_end ? soft_cap(sc[nt][e] * sl2, p.softcap_log2) : -INFINITY;
       }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // h = 0: row lane / 4 (elements 0, 1); h = 1: row + 8 (elements 2, 3)

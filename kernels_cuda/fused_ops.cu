@@ -66,14 +66,15 @@ __device__ __forceinline__ float block_sum(float v) {
 // ---- RMSNorm (+ residual) ---------------------------------------------------------------------------
 // One CTA per row; thread t owns the vectors t, t + blockDim, ... (ITERS of them, kept in registers
 // between the sum of squares and the output). With a residual: s = round(x + residual) is written to
-// residual_out and normalised; out = round(w * round(s * rsqrt(mean(s^2) + eps))).
+// residual_out and normalised; out = round(w * round(s * rsqrt(mean(s^2) + eps))), or with the weight in
+// float32 (NormWeight) round(s * rsqrt(mean(s^2) + eps) * (w + offset)).
 constexpr int kNormMaxThreads = 512;
 
 template <typename T, int ITERS, bool RESIDUAL>
 __global__ void __launch_bounds__(kNormMaxThreads)
     rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out, const T* __restrict__ x, int64_t x_stride,
                     const T* __restrict__ residual, int64_t residual_stride, const T* __restrict__ weight,
-                    int hidden, float eps, float inv_n) {
+                    int hidden, float eps, float inv_n, NormWeight style) {
   constexpr int VEC = Elem<T>::kVec;
   const int64_t row = blockIdx.x;
   const int nvec = hidden / VEC;
@@ -104,7 +105,9 @@ __global__ void __launch_bounds__(kNormMaxThreads)
       float w[VEC];
       ldg_vec(weight + i * VEC, w);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) v[it][e] = mul(w[e], round_to<T>(mul(v[it][e], scale)));
+      for (int e = 0; e < VEC; ++e)
+        v[it][e] = style.in_float32 ? mul(mul(v[it][e], scale), add(w[e], style.offset))
+                                    : mul(w[e], round_to<T>(mul(v[it][e], scale)));
       store_vec(out + row * hidden + i * VEC, v[it]);
     }
   }
@@ -126,7 +129,8 @@ int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
   const float inv_n = 1.0f / (float)a.hidden;
 #define PAGEDNB_RMS_LAUNCH(IT)                                                                            \
   rms_norm_kernel<T, IT, RESIDUAL><<<a.rows, threads, 0, st>>>(out, res_out, x, a.x_stride, res,            \
-                                                              a.residual_stride, w, a.hidden, a.eps, inv_n); \
+                                                              a.residual_stride, w, a.hidden, a.eps, inv_n, \
+                                                              a.style);                                    \
   break;
   switch (iters) {
     case 1: PAGEDNB_RMS_LAUNCH(1)
@@ -152,7 +156,8 @@ int launch_rms_norm_dtype(const RmsNormArgs& a, cudaStream_t st) {
 // One group of LANES lanes per (token, head) of q and k; lane l holds the head's elements
 // [l * E, (l + 1) * E). The rotate-half partner of element j (j -/+ D/2) sits in lane l ^ (LANES/2)
 // at the same offset, one shuffle away. Per element, as torch computes it:
-//   (norm)  x = round(w * round(x * rsqrt(mean(x^2) + eps)))
+//   (norm)  x = round(w * round(x * rsqrt(mean(x^2) + eps))), or round(x * rsqrt(...) * (w + offset))
+//           with the weight in float32 (NormWeight: Gemma 3's (1 + w))
 //   (rope)  out = round(round(x * cos) + round(rot * sin)),  rot = -x[j + D/2] (j < D/2) or x[j - D/2]
 template <typename T, int D>
 struct QkCfg {
@@ -210,7 +215,8 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           float& x = v[j * VEC + e];
-          x = round_to<T>(mul(wv[e], round_to<T>(mul(x, scale))));
+          x = round_to<T>(a.style.in_float32 ? mul(mul(x, scale), add(wv[e], a.style.offset))
+                                             : mul(wv[e], round_to<T>(mul(x, scale))));
         }
       }
     }

@@ -39,6 +39,7 @@ struct AttnParams {
   float scale_log2;          // softmax scale * log2(e)
   int row_variant;           // row kernel: 2 = tensor cores for large GQA groups where group_mma_applies, else
                              // as 1 (the default); 1 = cp.async ring (16-bit types); 0 = direct loads
+  float softcap_log2;        // attention logit soft-capping (Gemma 2) in log2 units, softcap * log2(e); 0: none
 };
 
 // The tensor-core decode kernel (decode_group_mma.cuh) serves the rows of 16-bit models with 4 to 16 query
@@ -74,6 +75,13 @@ int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, in
 
 // The RMSNorm kernel keeps a row in registers: up to 8 vectors of 16 bytes for each of 512 threads.
 constexpr int64_t kMaxNormRowBytes = 8 * 512 * 16;
+// How a norm applies its weight w to h = x * rsqrt(mean(x^2) + eps) (float32): in_float32 0 (Llama):
+// round(w * round(h)); 1: round(h * (w + offset)), OLMo 2 (offset 0) and Gemma (offset 1, its (1 + w)).
+struct NormWeight {
+  float offset;
+  int in_float32;
+};
+
 struct RmsNormArgs {
   void* out;                 // [rows, hidden], dense
   void* residual_out;        // [rows, hidden], dense: x + residual (unused without a residual)
@@ -83,6 +91,7 @@ struct RmsNormArgs {
   int64_t x_stride, residual_stride;
   int rows, hidden;
   float eps;
+  NormWeight style;
 };
 
 struct QkRopeArgs {          // in place on q [N, H, D] and k [N, Hkv, D] (last dim dense)
@@ -96,6 +105,7 @@ struct QkRopeArgs {          // in place on q [N, H, D] and k [N, Hkv, D] (last 
   const void* k_weight;
   int num_tokens, num_heads, num_kv_heads, head_dim;
   float eps;
+  NormWeight style;
   // the paged cache write (v == nullptr: none): k after the rotary embedding and v as it is, into
   // cache [2, num_blocks, block_size, num_kv_heads, head_dim] (dense) at slots[token]; -1 is skipped
   const void* v;             // [N, Hkv, D], last dim dense
@@ -140,5 +150,25 @@ struct GemvArgs {            // out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N])
 };
 
 int launch_gemv(int dtype, const GemvArgs& a, void* stream);
+
+// ---- fused mixture-of-experts MLP (moe.cu) ----------------------------------------------------------------
+// out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]; bf16 / fp16.
+constexpr int kMoeMaxExperts = 1024;  // the routing kernel keeps one counter per expert in a 1024-thread CTA
+
+struct FusedMoeArgs {
+  void* out;                 // [T, H], dense
+  const void* hidden;        // [T, H], row stride hidden_stride (elements), last dim dense
+  int64_t hidden_stride;
+  const void* w13;           // [E, 2 * I, H], dense: gate rows then up rows
+  const void* w2;            // [E, H, I], dense
+  const int64_t* topk_ids;   // [T, topk], dense, each in [0, E) (others are skipped)
+  const void* topk_weights;  // [T, topk], dense, float32 or the model's dtype (weights_dtype)
+  int weights_dtype;
+  void* workspace;           // moe_workspace_bytes(...) bytes, 256-byte aligned
+  int T, H, I, E, topk;      // H and I multiples of 8; pointers 16-byte aligned
+};
+
+int64_t moe_workspace_bytes(int T, int H, int I, int E, int topk);
+int launch_fused_moe(int dtype, const FusedMoeArgs& a, void* stream);
 
 }  // namespace pagednb

@@ -163,6 +163,7 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi) m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.f;
   const float sl2 = p.scale_log2;
+  const float cap = p.softcap_log2 / sl2;  // the soft-cap in the units of the raw scores (q . k)
 
   for (int j = 0; j < nkv; ++j) {
     if (j + 1 < nkv) load_kv((j + 1) & 1);
@@ -208,6 +209,14 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
         }
       }
 
+      if (cap > 0.f) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[mi][nt][e] = soft_cap(sc[mi][nt][e], cap);
+      }
       const bool need_mask = (kt0 + BN - 1 > wpos_first) || (W > 0 && kt0 < wpos_last - W + 1);
       if (need_mask) {
 #pragma unroll

@@ -13,6 +13,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
            "float": torch.float32}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# "auto" and "safetensors" (vLLM's name) read the checkpoint; "dummy": random weights from config.json alone
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Upper bounds of the sizing options: beyond these a value only allocates absurd memory or takes minutes
 # (block tables, step buffers and logits grow with them before any request arrives).
@@ -57,6 +59,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs (every step launches its kernels one by one)
     max_cuda_graph_batch_size: int = 512  # decode graphs cover batches up to min(this, max_num_seqs)
     async_scheduling: bool | None = None  # None: on for a GPU (host work overlaps the device's), off on a CPU
+    load_format: str = "auto"  # "auto"/"safetensors": the checkpoint; "dummy": random weights, no checkpoint read
 
     def validate(self) -> None:
         """Checks every field's type and range (TypeError / ValueError naming the field and what it
@@ -82,6 +85,7 @@ class EngineConfig:
                                                "in (0, 1]", 0.0, 1.0, low_open=True)
         as_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         as_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        as_choice("load_format", self.load_format, LOAD_FORMATS)
         for name in ("enable_prefix_caching", "trust_remote_code", "enforce_eager"):
             as_bool(name, getattr(self, name))
         if self.async_scheduling is not None:

@@ -30,7 +30,6 @@ IGNORED_WHEN: dict[str, tuple] = {
     "enable_expert_parallel": (False,),
     "tokenizer_mode": ("auto",),
     "skip_tokenizer_init": (False,),
-    "load_format": ("auto", "safetensors"),  # pagednb reads safetensors only
     "hf_overrides": (None,),
     "mm_processor_kwargs": (None,),
     "limit_mm_per_prompt": (None,),

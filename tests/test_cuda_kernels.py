@@ -48,11 +48,11 @@ class Case:
     """A random step: `seq_lens[i]` tokens in sequence i after the step, the last `query_lens[i]` new."""
 
     def __init__(self, seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, window=None,
-                 pad_rows=0, fused_qkv=False, seed=0):
+                 pad_rows=0, fused_qkv=False, seed=0, softcap=None):
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(seed)
         rng = random.Random(seed)
-        self.window, self.dtype = window, dtype
+        self.window, self.dtype, self.softcap = window, dtype, softcap
         bs = block_size
         nblk = [-(-n // bs) for n in seq_lens]
         spare = 3
@@ -108,7 +108,7 @@ class Case:
         ref = TorchReferenceBackend()
         cache = self.cache.float()
         ref.write_kv(self.k.float(), self.v.float(), cache, self.md.slot_mapping)
-        return ref.attend(self.q.float(), cache, self.md, self.scale, self.window)
+        return ref.attend(self.q.float(), cache, self.md, self.scale, self.window, self.softcap)
 
     def expected_cache(self) -> torch.Tensor:
         cache = self.cache.clone()
@@ -132,7 +132,7 @@ def check(backend, case: Case) -> None:
     assert torch.equal(case.kernel_cache[:, keep], expected[:, keep]), "cache write differs from the reference"
 
     _poison_allocator(case.q.numel() * case.q.element_size())
-    out = backend.attend(case.q, case.kernel_cache, case.md, case.scale, case.window)
+    out = backend.attend(case.q, case.kernel_cache, case.md, case.scale, case.window, case.softcap)
     torch.cuda.synchronize()
     ref = case.reference()
     assert out.dtype == case.dtype and out.shape == case.q.shape
@@ -204,6 +204,30 @@ def test_prefill_chunks_match_reference(backend, case_id):
     ctx, chunks, h, hkv, d, bs, dtype, window = PREFILL[case_id]
     seq_lens = [c + q for c, q in zip(ctx, chunks)]
     check(backend, Case(seq_lens, chunks, h, hkv, d, bs, dtype, window, seed=1000 + case_id))
+
+
+# Gemma 2's attention soft-capping, in every kernel: (seq_lens, query_lens, heads, kv_heads, head_dim,
+# block_size, dtype, window). A scale of 0.5 makes raw scores large, so the cap of 3 changes the softmax a lot.
+SOFTCAP = [
+    ([3000, 1, 700], [1, 1, 1], 8, 4, 256, 16, torch.bfloat16, None),  # row kernel, Gemma 2's head_dim
+    ([2000, 900], [1, 1], 32, 4, 64, 16, torch.bfloat16, None),  # tensor-core decode (8 heads per kv head)
+    ([1500, 40], [1, 1], 8, 2, 128, 16, torch.float32, 100),  # float32 rows, sliding window
+    ([700, 333, 2], [300, 333, 1], 8, 4, 256, 16, torch.bfloat16, 128),  # prefill chunks and a decode row
+    ([500, 64], [200, 64], 16, 8, 128, 32, torch.float16, None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case_id", range(len(SOFTCAP)))
+def test_attention_softcap_matches_reference(backend, case_id):
+    seq_lens, query_lens, h, hkv, d, bs, dtype, window = SOFTCAP[case_id]
+    case = Case(seq_lens, query_lens, h, hkv, d, bs, dtype, window, seed=3000 + case_id, softcap=3.0)
+    case.scale = 0.5
+    check(backend, case)
+    uncapped = TorchReferenceBackend().attend(case.q.float(), case.expected_cache().float(), case.md, case.scale,
+                                              case.window)
+    capped = case.reference()
+    assert ((capped - uncapped).norm() / capped.norm()).item() > 0.1  # the cap does change the result
 
 
 MIXED = [

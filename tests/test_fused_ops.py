@@ -262,6 +262,27 @@ def test_rms_norm_reads_rows_with_a_stride(kernels, dtype):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["olmo2", "gemma"])
+def test_rms_norm_with_the_weight_in_float32_is_bit_exact_when_the_sums_are(kernels, dtype, offset):
+    """OLMo 2's (w * h) and Gemma's (h * (1 + w)) norms: the weight applied in float32, one rounding."""
+    gen = torch.Generator().manual_seed(int(offset) + 7)
+    for hidden in (64, 136, 1152, 2048):  # 1152: Gemma-3-1B
+        w = (torch.randn(hidden, generator=gen) * 0.5).to("cuda", dtype)
+        for with_residual in (False, True):
+            x = small_ints(7, hidden, gen=gen, device="cuda").to(dtype)
+            r = small_ints(7, hidden, gen=gen, device="cuda").to(dtype) if with_residual else None
+            got = kernels.rms_norm(x, w, EPS, r, offset)
+            assert got is not None, "the kernel declined"
+            ref = rms_norm_reference(x, w, EPS, r, offset)
+            got, ref = (got, ref) if with_residual else ((got,), (ref,))
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"hidden={hidden} residual={with_residual}"
+            if offset:  # really (1 + w), not Llama's w
+                assert not torch.equal(got[0], rms_norm_reference(x, w, EPS, r)[0] if with_residual
+                                       else rms_norm_reference(x, w, EPS))
+
+
 HEAD_DIMS = [16, 32, 64, 128, 256]
 HEADS = [(16, 8), (32, 8), (4, 2)]
 
@@ -285,6 +306,22 @@ def _run_qk(kernels, n, heads, kv_heads, d, qkv, cos, sin, weights):
     assert got[0].data_ptr() == q.data_ptr() and got[1].data_ptr() == k.data_ptr()  # in place
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
     return got, (ref_q, ref_k)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d", [128, 256])
+def test_qk_norm_rope_with_gemma_norm_weights_is_bit_exact_when_the_sums_are(kernels, dtype, d):
+    """Gemma 3's per-head q/k norms, (1 + w) in float32, in the same launch as the rotary embedding."""
+    for n in ROWS:
+        qkv, cos, sin, weights = _qk_case(n, 8, 4, d, dtype, True, exact=True, seed=d + n)
+        q, k = fused_qkv(n, 8, 4, d, qkv)
+        ref_q, ref_k = qk_norm_rope_reference(q.clone(), k.clone(), cos, sin, *weights, EPS, 1.0)
+        llama_q, _ = qk_norm_rope_reference(q.clone(), k.clone(), cos, sin, *weights, EPS)
+        got = kernels.qk_norm_rope(q, k, cos, sin, *weights, EPS, 1.0)
+        assert got is not None, "the kernel declined these inputs"
+        assert torch.equal(got[0], ref_q) and torch.equal(got[1], ref_k), f"n={n}"
+        assert not torch.equal(got[0], llama_q)
 
 
 @gpu

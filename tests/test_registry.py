@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_architectures import ARCHITECTURES
 from test_model_equivalence import VARIANTS
+from test_moe import MODELS as MOE_MODELS
 from tiny import tiny_config
 
 from pagednb.attention import TorchReferenceBackend
@@ -35,8 +37,20 @@ def test_readme_lists_exactly_the_registry_architectures():
 
 
 def test_every_registry_architecture_is_checked_against_hf():
-    """tests/test_model_equivalence.py compares a tiny model of each supported architecture with HF."""
-    assert {hf_architecture(arch) for arch, _ in VARIANTS.values()} == set(SUPPORTED_ARCHITECTURES)
+    """tests/test_model_equivalence.py, tests/test_architectures.py and tests/test_moe.py compare a tiny model of
+    each supported architecture with HF."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    checked = {hf_architecture(arch) for arch, _ in VARIANTS.values()}
+    checked |= {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] for model_type, _ in ARCHITECTURES.values()}
+    checked |= {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] for model_type, _ in MOE_MODELS.values()}
+    assert checked == set(SUPPORTED_ARCHITECTURES)
+
+
+def test_multimodal_gemma3_is_refused_naming_the_text_only_checkpoints():
+    cfg = tiny_config("llama")
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    with pytest.raises(UnsupportedArchitectureError, match="text-only.*Gemma3ForCausalLM"):
+        model_spec(cfg)
 
 
 def test_unknown_or_missing_architecture_lists_the_supported_ones():
@@ -54,6 +68,9 @@ def test_unknown_or_missing_architecture_lists_the_supported_ones():
     ("mistral", {"sliding_window": None}, (None, None)),
     ("qwen2", {"sliding_window": 10}, (None, None)),  # use_sliding_window is off
     ("qwen3", {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 1}, (None, 10)),
+    ("gemma2", {"num_hidden_layers": 3, "sliding_window": 6}, (6, None, 6)),  # even layers slide
+    ("gemma3_text", {"num_hidden_layers": 7, "sliding_window": 6}, (6, 6, 6, 6, 6, None, 6)),  # 5 in 6
+    ("phi3", {"sliding_window": 6}, (6, 6)),
 ])
 def test_sliding_window_rules(tiny_arch, overrides, windows):
     spec = model_spec(config_of(hf_architecture(tiny_arch), tiny_arch, **overrides))

@@ -67,7 +67,8 @@ def tiny_config(arch: str, **overrides):
     if arch == "mistral":
         common.setdefault("sliding_window", 24)
         return MistralConfig(**common)
-    raise ValueError(f"unknown tiny arch {arch!r}")
+    from transformers import AutoConfig
+    return AutoConfig.for_model(arch, **common)  # any other HF model_type ("gemma3_text", "phi3", ...)
 
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

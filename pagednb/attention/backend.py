@@ -10,14 +10,16 @@ to and including its own position (and, for sliding-window layers, no further ba
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about one step's batch. Built once per step, shared by all layers."""
+    """What attention needs to know about one step's batch. Built once per step, shared by all layers
+    (in a model mixing sliding-window and full layers, each layer reads its group's slots and block
+    table: layer_metadata, engine/kv_cache_groups.py)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block_id * block_size + offset); -1 = skip
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: row offsets of each sequence's new tokens
@@ -27,6 +29,14 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies, so a reference backend never syncs with the device
     seq_lens_cpu: list[int]
+    # per layer, the metadata of its KV cache group (same batch, that group's slot_mapping and
+    # block_tables); None: every layer reads this one
+    layer_metadata: list[AttentionMetadata] | None = field(default=None, repr=False)
+    # a layer group's metadata: the step's it was made from (a backend may share its per-step planning)
+    base: AttentionMetadata | None = field(default=None, repr=False)
+
+    def per_layer(self, num_layers: int) -> list[AttentionMetadata]:
+        return self.layer_metadata if self.layer_metadata is not None else [self] * num_layers
 
     @property
     def num_seqs(self) -> int:
@@ -49,11 +59,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, sliding_window: int | None) -> torch.Tensor:
+               scale: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim] -> output of the same shape.
 
         Query row j of sequence i sits at position p = seq_len_i - query_len_i + (j - start_i) and
         attends to cached tokens t of sequence i with t <= p and, if sliding_window is W, p - t < W
         (the same rule as HF transformers' sliding-window mask). num_heads is a multiple of
-        num_kv_heads (GQA): query head h reads kv head h // (num_heads // num_kv_heads).
+        num_kv_heads (GQA): query head h reads kv head h // (num_heads // num_kv_heads). softcap c (Gemma 2's
+        attn_logit_softcapping): each scaled score s becomes c * tanh(s / c) before the softmax.
         """

@@ -14,6 +14,7 @@ Anything the kernels do not cover (another dtype, head_dim or block size) goes t
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import warnings
 
@@ -42,10 +43,31 @@ class _StepPlan:
         self.max_seq_len = max(md.seq_lens_cpu, default=0)
         self.qsl = _int32(md.query_start_loc)
         self.seq_lens = _int32(md.seq_lens)
-        self.block_tables = _int32(md.block_tables)
-        if self.block_tables.dim() != 2 or (self.block_tables.shape[1] > 1 and self.block_tables.stride(1) != 1):
-            self.block_tables = self.block_tables.contiguous()
+        self.block_tables = _tables(md.block_tables)
         self.row_plans: dict = {}
+
+    def with_block_tables(self, block_tables: torch.Tensor) -> _StepPlan:
+        plan = copy.copy(self)  # row plans shared: they depend on the batch, not on the tables
+        plan.block_tables = _tables(block_tables)
+        return plan
+
+
+def _tables(block_tables: torch.Tensor) -> torch.Tensor:
+    tables = _int32(block_tables)
+    if tables.dim() != 2 or (tables.shape[1] > 1 and tables.stride(1) != 1):
+        tables = tables.contiguous()
+    return tables
+
+
+def _plan_of(md: AttentionMetadata) -> _StepPlan:
+    """A layer group's metadata (a hybrid model) differs from the step's only in its block table: its plan is
+    the step's, planned once, with that table."""
+    if md.base is None:
+        return _StepPlan(md)
+    base = getattr(md.base, "_cuda_plan", None)
+    if base is None:
+        base = md.base._cuda_plan = _StepPlan(md.base)
+    return base.with_block_tables(md.block_tables)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -121,7 +143,7 @@ class CudaPagedBackend(AttentionBackend):
 
     # ---- attention -------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, sliding_window: int | None) -> torch.Tensor:
+               scale: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         reason = self.unsupported_reason(query.dtype, head_dim, block_size, query.device)
@@ -131,12 +153,12 @@ class CudaPagedBackend(AttentionBackend):
         if reason is None and num_heads % num_kv_heads:
             reason = f"{num_heads} query heads over {num_kv_heads} kv heads"
         if reason is not None:
-            return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window)
+            return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window, softcap)
 
         plan = getattr(metadata, "_cuda_plan", None)
         if plan is None:
-            plan = _StepPlan(metadata)
-            metadata._cuda_plan = plan  # the metadata is built once per step and shared by all layers
+            plan = _plan_of(metadata)
+            metadata._cuda_plan = plan  # the metadata is built once per step (and layer group), shared by its layers
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
         if plan.rows < num_tokens:
             out[plan.rows:].zero_()  # padding rows past the last sequence, as the reference does
@@ -158,6 +180,7 @@ class CudaPagedBackend(AttentionBackend):
         p.bs_log2 = block_size.bit_length() - 1
         p.window = window
         p.scale_log2 = scale * LOG2E
+        p.softcap_log2 = softcap * LOG2E if softcap else 0.0
         p.row_variant = self.row_variant
         stream = current_stream(query)
 

@@ -27,21 +27,21 @@ class TorchReferenceBackend(AttentionBackend):
         kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(kv_cache.dtype)
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, sliding_window: int | None) -> torch.Tensor:
+               scale: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
         starts = metadata.query_start_loc_cpu
         query_lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
         output = torch.zeros_like(query)  # rows past the last sequence (padding) stay zero
         decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_seqs:
-            self._attend_decode(query, output, kv_cache, metadata, decode_seqs, scale, sliding_window)
+            self._attend_decode(query, output, kv_cache, metadata, decode_seqs, scale, sliding_window, softcap)
         for i, n in enumerate(query_lens):
             if n > 1:
-                self._attend_chunk(query, output, kv_cache, metadata, i, scale, sliding_window)
+                self._attend_chunk(query, output, kv_cache, metadata, i, scale, sliding_window, softcap)
         return output
 
     def _attend_decode(self, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
                        md: AttentionMetadata, seqs: list[int], scale: float,
-                       window: int | None) -> None:
+                       window: int | None, softcap: float | None) -> None:
         """All single-token rows at once: gather their blocks into one padded [B, T, Hkv, D]."""
         device = query.device
         if len(seqs) == md.num_seqs:  # the common pure-decode step: no index juggling
@@ -55,17 +55,18 @@ class TorchReferenceBackend(AttentionBackend):
         key, value = _gather_blocks(kv_cache, tables, max_len)
         positions = (seq_lens - 1)[:, None]  # [B, 1]: each row's own position
         allowed = _causal_window_mask(positions, key.shape[1], window)
-        output[rows] = _masked_attention(query[rows][:, None], key, value, allowed, scale)[:, 0]
+        output[rows] = _masked_attention(query[rows][:, None], key, value, allowed, scale, softcap)[:, 0]
 
     def _attend_chunk(self, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
-                      md: AttentionMetadata, seq: int, scale: float, window: int | None) -> None:
+                      md: AttentionMetadata, seq: int, scale: float, window: int | None,
+                      softcap: float | None) -> None:
         """One prefill chunk: its queries attend over the cached context plus themselves."""
         start, end = md.query_start_loc_cpu[seq], md.query_start_loc_cpu[seq + 1]
         seq_len = md.seq_lens_cpu[seq]
         key, value = _gather_blocks(kv_cache, md.block_tables[seq:seq + 1], seq_len)
         positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)[None]
         allowed = _causal_window_mask(positions, seq_len, window)
-        output[start:end] = _masked_attention(query[None, start:end], key, value, allowed, scale)[0]
+        output[start:end] = _masked_attention(query[None, start:end], key, value, allowed, scale, softcap)[0]
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -91,12 +92,13 @@ def _causal_window_mask(positions: torch.Tensor, num_keys: int, window: int | No
 
 
 def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      allowed: torch.Tensor, scale: float) -> torch.Tensor:
+                      allowed: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
     """query [B, Q, H, D], key/value [B, T, Hkv, D], allowed [B, Q, T] -> [B, Q, H, D].
 
     GQA without repeating K/V: the `group` query heads that share a kv head are stacked along the
     query axis ([B, Hkv, group * Q, D]), so each kv head is read once. SDPA's fused CPU kernel does
-    the math (in float32 here) several times faster than an einsum over the padded batch.
+    the math (in float32 here) several times faster than an einsum over the padded batch. SDPA has no
+    soft-capping, so a softcap spells the softmax out (HF's eager order: scale, cap, mask, softmax).
     """
     batch, num_q, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[2]
@@ -104,8 +106,12 @@ def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q = query.float().view(batch, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * num_q, head_dim)
     mask = allowed[:, None, None].expand(batch, 1, group, num_q, allowed.shape[-1])
-    out = F.scaled_dot_product_attention(
-        q, key.float().transpose(1, 2), value.float().transpose(1, 2),
-        attn_mask=mask.reshape(batch, 1, group * num_q, -1), scale=scale)
+    key, value = key.float().transpose(1, 2), value.float().transpose(1, 2)
+    mask = mask.reshape(batch, 1, group * num_q, -1)
+    if softcap:
+        scores = softcap * torch.tanh(q @ key.transpose(-1, -2) * scale / softcap)
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ value
+    else:
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     out = out.view(batch, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, num_q, num_heads, head_dim).to(query.dtype)

@@ -17,6 +17,10 @@ class _RequestBlocks:
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks, in order
     num_cached: int = 0  # leading full blocks already registered in the prefix cache
     num_hit: int = 0  # leading blocks from the prefix hit at admission: computed by others
+    num_released: int = 0  # leading blocks released by the sliding window (all None)
+    # with prefix caching: the released blocks this request computed, each with its epoch when released
+    # (a changed epoch: evicted since, someone else's now), for free_and_forget
+    released: list[tuple[KVBlock, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -26,12 +30,21 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    """Hands blocks to requests. Token t of a request lives in its block t // block_size."""
+    """Hands blocks to requests. Token t of a request lives in its block t // block_size.
 
-    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
+    One manager serves one KV cache group (engine/kv_cache_groups.py): the whole model, or, in a hybrid
+    model, one group of layers sharing the pool with the other groups' managers. group_index > 0 gives the
+    group its own hash chains (a root seed and a root parent), so no group ever hits another group's
+    blocks: the same tokens hold different layers' K/V there.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None,
+                 group_index: int = 0) -> None:
         self.pool = pool
         self.block_size = block_size
         self.sliding_window = sliding_window
+        self._root_hash: BlockHash | None = None if group_index == 0 else group_index
+        self._root: KVBlock | None = None if group_index == 0 else KVBlock(-1 - group_index)
         self._reqs: dict[str, _RequestBlocks] = {}
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -57,7 +70,7 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, state, max_blocks)
         hit: list[KVBlock] = []
-        parent = None
+        parent = self._root
         for i in range(max_blocks):
             tokens = self._block_tokens(req, i)
             block = self.pool.lookup(state.hashes[i], tokens, parent) or self._lookup_this_step(
@@ -77,27 +90,60 @@ class KVCacheManager:
         if hit is None and state is not None and self.sliding_window is None:
             if req.num_computed_tokens + num_new_tokens <= len(state.blocks) * self.block_size:
                 return []  # the common decode step: room in the last block
-        if state is None:
-            state = self._reqs[req.request_id] = _RequestBlocks()
-        hit_blocks = hit.blocks if hit else []
-        num_computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
-        self._release_out_of_window(state, num_computed)
-        total_tokens = num_computed + num_new_tokens
-        num_new_blocks = -(-total_tokens // self.block_size) - len(state.blocks) - len(hit_blocks)
-        num_hits_leaving_free_list = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_hits_leaving_free_list > self.pool.num_free_blocks:
+        if self.blocks_needed(req, num_new_tokens, hit) > self.pool.num_free_blocks:
             return None
         if hit is not None and self.caching:  # an admission: count it for the hit rate
             self.prefix_cache_query_tokens += req.num_tokens
             self.prefix_cache_hit_tokens += hit.num_tokens
-        self.pool.touch(hit_blocks)
+        return self.take(req, num_new_tokens, hit)
+
+    def has_room(self, req: Request, num_new_tokens: int) -> bool:
+        """The common decode step: the last block has room, and no block left the window."""
+        state = self._reqs.get(req.request_id)
+        num_computed = req.num_computed_tokens
+        if state is None or num_computed + num_new_tokens > len(state.blocks) * self.block_size:
+            return False
+        window = self.sliding_window
+        return window is None or num_computed - window + 1 < (state.num_released + 1) * self.block_size
+
+    def blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
+        """Free blocks that take() will use: new ones plus hit blocks now on the free list. Releases the
+        blocks that left the window first, so they count as free."""
+        state = self._reqs.get(req.request_id)
+        if state is None:
+            state = self._reqs[req.request_id] = _RequestBlocks()
+        num_computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
+        self._release_out_of_window(state, num_computed)
+        hit_blocks = self._visible(hit)
+        num_new_blocks = -(-(num_computed + num_new_tokens) // self.block_size) - len(state.blocks) - len(hit_blocks)
+        return max(num_new_blocks, 0) + sum(1 for block in hit_blocks if block is not None and block.ref_cnt == 0)
+
+    def take(self, req: Request, num_new_tokens: int, hit: PrefixHit | None) -> list[int]:
+        """Appends the hit blocks and new ones to the request's list (blocks_needed() said they are free);
+        returns their ids (0 for a hit block outside the window: never read)."""
+        state = self._reqs[req.request_id]
+        hit_blocks = self._visible(hit)
+        total_tokens = req.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
+        num_new_blocks = -(-total_tokens // self.block_size) - len(state.blocks) - len(hit_blocks)
+        self.pool.touch(block for block in hit_blocks if block is not None)
         new_blocks = hit_blocks + self.pool.allocate(max(num_new_blocks, 0))
         state.blocks.extend(new_blocks)
         if hit_blocks:
             state.num_cached = state.num_hit = len(hit_blocks)
+            state.num_released = sum(block is None for block in hit_blocks)  # the leading ones
         if self.caching:
             self._share_this_step(req, state, min(total_tokens, req.num_tokens) // self.block_size)
-        return [block.block_id for block in new_blocks]
+        return [block.block_id if block is not None else 0 for block in new_blocks]
+
+    def _visible(self, hit: PrefixHit | None) -> list[KVBlock | None]:
+        """The hit's blocks, None for those before the window of the first new query (a sliding group
+        checks them in the chain but does not hold them)."""
+        if hit is None:
+            return []
+        if self.sliding_window is None:
+            return hit.blocks
+        num_hidden = min(max(hit.num_tokens - self.sliding_window + 1, 0) // self.block_size, len(hit.blocks))
+        return [None] * num_hidden + hit.blocks[num_hidden:]
 
     def _share_this_step(self, req: Request, state: _RequestBlocks, num_full: int) -> None:
         """Offers the full blocks this step computes for req to requests scheduled after it."""
@@ -106,7 +152,7 @@ class KVCacheManager:
             return
         self._extend_hashes(req, state, num_full)
         for i in range(first, num_full):
-            parent = state.blocks[i - 1] if i > 0 else None
+            parent = state.blocks[i - 1] if i > 0 else self._root
             self._this_step.setdefault(state.hashes[i], []).append(
                 (state.blocks[i], self._block_tokens(req, i), parent))
 
@@ -148,11 +194,13 @@ class KVCacheManager:
         were computed by the requests they came from and stay cached: they are not this request's to
         judge. Its own blocks leave the index even when another request holds them too (a hit on them, in
         this step or since): that request keeps them, but nobody new can hit them or anything cached after
-        them. (Blocks it computed before a preemption and then hit on again count as hit blocks.)
+        them. (Blocks it computed before a preemption and then hit on again count as hit blocks.) So do the
+        blocks a sliding window released, unless evicted since.
         """
         state = self._reqs.get(req.request_id)
         if state is not None and self.caching:
             self.pool.forget(block for block in state.blocks[state.num_hit:] if block is not None)
+            self.pool.forget(block for block, epoch in state.released if block.epoch == epoch)
         self.free(req)
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -183,15 +231,28 @@ class KVCacheManager:
         return counts
 
     def _release_out_of_window(self, state: _RequestBlocks, num_computed: int) -> None:
-        """Frees blocks no future query can see: the first new query sits at position num_computed."""
+        """Frees blocks no future query can see: the first new query sits at position num_computed.
+
+        A released block keeps its prefix-cache identity until reused (BlockPool.free). With prefix caching
+        a block is released only once committed to the cache, and the last committed one stays as the parent
+        of the next (the chain is how hits are verified): asynchronous scheduling schedules the next step
+        before this one's blocks are committed, and a block released (and reused) first would cut the
+        request's chain; it is released a step later instead.
+        """
         if self.sliding_window is None:
             return
         first_visible = num_computed - self.sliding_window + 1
-        for i in range(min(max(first_visible, 0) // self.block_size, len(state.blocks))):
+        end = min(max(first_visible, 0) // self.block_size, len(state.blocks))
+        if self.caching:
+            end = min(end, state.num_cached - 1)
+        for i in range(state.num_released, end):
             block = state.blocks[i]
             if block is not None:
                 self.pool.free([block])
                 state.blocks[i] = None
+                if block.block_hash is not None and i >= state.num_hit:  # cached: reuse bumps its epoch
+                    state.released.append((block, block.epoch))
+        state.num_released = max(state.num_released, end)
 
     def _cache_full_blocks(self, req: Request, state: _RequestBlocks, num_tokens: int) -> None:
         num_full = min(num_tokens, req.num_tokens) // self.block_size
@@ -199,13 +260,13 @@ class KVCacheManager:
             return
         self._extend_hashes(req, state, num_full)
         for i in range(state.num_cached, num_full):
-            parent = state.blocks[i - 1] if i > 0 else None
+            parent = state.blocks[i - 1] if i > 0 else self._root
             self.pool.cache_full_block(state.blocks[i], state.hashes[i], self._block_tokens(req, i), parent)
         state.num_cached = num_full
 
     def _extend_hashes(self, req: Request, state: _RequestBlocks, num_blocks: int) -> None:
         for i in range(len(state.hashes), num_blocks):
-            parent_hash = state.hashes[i - 1] if i > 0 else None
+            parent_hash = state.hashes[i - 1] if i > 0 else self._root_hash
             state.hashes.append(self.pool.hash_fn(parent_hash, self._block_tokens(req, i)))
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ import torch
 
 from pagednb.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagednb.engine import live_engines
+from pagednb.engine.kv_cache_groups import KVCacheLayout
 from pagednb.engine.live_engines import format_bytes
 from pagednb.engine.model_runner import ModelRunner
 
@@ -65,7 +66,7 @@ class PoolPlan:
 def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, max_num_batched_tokens: int,
                  max_num_seqs: int) -> PoolPlan:
     block_size = config.block_size
-    needed = blocks_for_one_request(max_model_len, block_size, runner.spec.sliding_window, max_num_batched_tokens)
+    needed = blocks_for_one_request_of(runner.layout, max_model_len, block_size, max_num_batched_tokens)
     # More blocks than max_num_seqs full-length requests can ever use would only cost memory.
     useful = max_num_seqs * needed
     gpu_memory = None
@@ -82,10 +83,12 @@ def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, 
                                   f"kv_cache_memory={budget / GiB:.2f} GiB")
     plan = PoolPlan(int(num_blocks), block_size, max_model_len, needed, source, gpu_memory)
     others = live_engines.describe(live_engines.on_device(runner.device))
-    _refuse_if_too_small(plan, runner, others)
+    _refuse_if_too_small(plan, runner, max_num_batched_tokens, others)
     logger.info("KV cache: %d tokens (%d blocks of %d, %s, from %s); max concurrency %.2fx at "
                 "max_model_len=%d", plan.num_tokens, plan.num_blocks, block_size,
                 format_bytes(plan.num_blocks * runner.block_bytes()), source, plan.max_concurrency, max_model_len)
+    if runner.layout.is_hybrid:
+        logger.info("Hybrid KV cache: %s", describe_hybrid_saving(plan, runner))
     if others:
         logger.info("Note: %s", others)
     return plan
@@ -98,6 +101,28 @@ def _cap(affordable: int, useful: int, max_num_seqs: int, source: str) -> tuple[
         return affordable, source
     return useful, (f"{source}, capped at max_num_seqs={max_num_seqs} x one max_model_len request, "
                     f"as more could never be used")
+
+
+def describe_hybrid_saving(plan: PoolPlan, runner: ModelRunner) -> str:
+    """The layer groups, and the max_model_len requests the same memory would hold with every layer's K/V
+    in each block (the uniform layout): the saving of freeing sliding layers' blocks outside their window."""
+    layout = runner.layout
+    windows = ", ".join(f"{sum(g.window == w for g in layout.groups)} x {'full' if w is None else f'window {w}'}"
+                        for w in dict.fromkeys(layout.windows))
+    uniform_blocks = plan.num_blocks * layout.layers_per_block // runner.spec.num_layers
+    uniform = uniform_blocks / -(-plan.max_model_len // plan.block_size)
+    return (f"{len(layout.groups)} groups of {layout.layers_per_block} layers ({windows}) share the pool; "
+            f"max concurrency {plan.max_concurrency:.2f}x at max_model_len={plan.max_model_len} "
+            f"vs {uniform:.2f}x with every layer in each block")
+
+
+def blocks_for_one_request_of(layout: KVCacheLayout, max_model_len: int, block_size: int,
+                              max_num_batched_tokens: int) -> int:
+    """Every layer group's blocks count. A hybrid model's sliding groups hold only their window, plus, with
+    asynchronous scheduling, the previous chunk until it is committed (KVCacheManager._release_out_of_window):
+    two chunks are counted."""
+    chunk = 2 * max_num_batched_tokens if layout.is_hybrid else max_num_batched_tokens
+    return sum(blocks_for_one_request(max_model_len, block_size, group.window, chunk) for group in layout.groups)
 
 
 def blocks_for_one_request(max_model_len: int, block_size: int, sliding_window: int | None,
@@ -130,11 +155,16 @@ def _profile_gpu_memory(config: EngineConfig, runner: ModelRunner, max_model_len
                      other_processes, max(int(available), 0))
 
 
-def _refuse_if_too_small(plan: PoolPlan, runner: ModelRunner, others: str = "") -> None:
+def _refuse_if_too_small(plan: PoolPlan, runner: ModelRunner, max_num_batched_tokens: int, others: str = "") -> None:
     """`others`: the other live engines' description (live_engines.describe), "" when there are none."""
     if plan.num_blocks >= plan.blocks_per_max_request:
         return
-    largest = plan.num_blocks * plan.block_size
+    fits, too_long = 0, plan.max_model_len  # the longest request the pool holds, by bisection
+    while too_long - fits > 1:
+        mid = (fits + too_long) // 2
+        needed = blocks_for_one_request_of(runner.layout, mid, plan.block_size, max_num_batched_tokens)
+        fits, too_long = (mid, too_long) if needed <= plan.num_blocks else (fits, mid)
+    largest = fits
     close_others = f" Or free memory: {others}." if others else ""
     raise ValueError(
         f"The KV cache has room for {plan.num_tokens} tokens ({plan.num_blocks} blocks of {plan.block_size}, "

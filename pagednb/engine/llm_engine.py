@@ -25,7 +25,7 @@ from pagednb.engine import live_engines
 from pagednb.engine.block_pool import BlockPool
 from pagednb.engine.input_processor import InputProcessor, PromptType, find_eos_token_ids
 from pagednb.engine.interrupts import deferred_interrupts
-from pagednb.engine.kv_cache_manager import KVCacheManager
+from pagednb.engine.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagednb.engine.logits_processors import LogitsProcessors
 from pagednb.engine.kv_cache_sizing import plan_kv_pool
 from pagednb.engine.model_runner import ModelRunner
@@ -62,7 +62,8 @@ class LLMEngine:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         t0 = time.perf_counter()
         self.attention_backend = select_attention_backend(self.device, config.attention_backend)
-        model = load_model(self.model_path, hf_config, self.spec, self.dtype, self.device, self.attention_backend)
+        model = load_model(self.model_path, hf_config, self.spec, self.dtype, self.device, self.attention_backend,
+                           config.load_format)
         logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
                     self.spec.architecture, self.device, time.perf_counter() - t0, self.attention_backend.name)
         self.runner = ModelRunner(model, self.device, self.dtype, config.block_size, config.max_num_seqs,
@@ -72,13 +73,13 @@ class LLMEngine:
                                       config.max_num_seqs)
         self.runner.allocate_kv_cache(self.pool_plan.num_blocks)
         live_engines.register(self, config.model, self.device, live_engines.parameter_bytes(model),
-                              live_engines.tensor_bytes(self.runner.kv_caches))  # named by later engines' reports
+                              live_engines.tensor_bytes(self.runner.kv_cache_tensors))  # named by later engines' reports
         self.uses_cuda_graphs = self._capture_cuda_graphs()
         caching = config.enable_prefix_caching and self.spec.sliding_window is None
         if config.enable_prefix_caching and not caching:
             logger.info("Prefix caching is off: the model uses a sliding window")
-        self.kv_cache_manager = KVCacheManager(BlockPool(self.pool_plan.num_blocks, caching), config.block_size,
-                                               self.spec.sliding_window)
+        self.kv_cache_manager = make_kv_cache_manager(BlockPool(self.pool_plan.num_blocks, caching),
+                                                      config.block_size, self.runner.layout)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -354,7 +355,7 @@ class LLMEngine:
                 self.uses_cuda_graphs = self._capture_cuda_graphs()
             live_engines.register(self, self.config.model, self.device,
                                   live_engines.parameter_bytes(self.runner.model),
-                                  live_engines.tensor_bytes(self.runner.kv_caches))
+                                  live_engines.tensor_bytes(self.runner.kv_cache_tensors))
             self._sleeping = None
         logger.info("Awake: weights and a KV pool of %d blocks restored", self.pool_plan.num_blocks)
 

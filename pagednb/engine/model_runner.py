@@ -1,7 +1,9 @@
 """Turns a scheduled step into tensors, runs the model over the paged cache, and samples.
 
 The KV cache is allocated here once, one tensor per layer of shape
-[2, num_blocks, block_size, num_kv_heads, head_dim]. Step inputs are written into preallocated buffers
+[2, num_blocks, block_size, num_kv_heads, head_dim]; in a model mixing sliding-window and full layers,
+one tensor per position within a layer group, shared by the groups, and a block table per group
+(engine/kv_cache_groups.py). Step inputs are written into preallocated buffers
 (step_buffers.py); a step of decode tokens only replays a CUDA graph when one was captured for its
 batch size (cuda_graphs.py), any other step runs the model eagerly. Either way the sampler runs on the
 device and the sampled tokens come back in the step's one host synchronisation, with them the sampler's
@@ -10,7 +12,7 @@ per-row flag (INVALID_TOKEN_ID where a row's logits had no valid distribution): 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import compress
 
 import numpy as np
@@ -19,6 +21,7 @@ import torch
 from pagednb.attention.backend import AttentionMetadata
 from pagednb.engine.block_table import BlockTable
 from pagednb.engine.cuda_graphs import DecodeGraphs
+from pagednb.engine.kv_cache_groups import plan_kv_cache_layout
 from pagednb.engine.logits_processors import LogitsProcessors
 from pagednb.engine.logprobs import PromptLogprobs, compute_prompt_logprobs
 from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
@@ -77,16 +80,20 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.generator = generator  # for random rows without a seed of their own
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.block_table = BlockTable(max_num_seqs, self.max_blocks_per_seq)
+        self.layout = plan_kv_cache_layout(self.spec.sliding_windows)
+        self.hybrid = self.layout.is_hybrid
+        num_groups = len(self.layout.groups)
+        self.block_table = BlockTable(max_num_seqs, self.max_blocks_per_seq, num_groups)
         # a step never has more tokens than the budget, nor more sequences than max_num_seqs; a decode
         # graph pads its batch up to a bucket size, which is never above max_num_seqs
         self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
-                                   self.max_blocks_per_seq, device)
+                                   self.max_blocks_per_seq, device, num_groups)
         self.stager = PinnedStager(device)
         self._aranges = np.arange(max_num_seqs + 1, dtype=np.int32)
         self.sampler = Sampler()
         self.logits_processors: LogitsProcessors | None = None  # set by the engine
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # per layer (a hybrid model's layers share tensors)
+        self.kv_cache_tensors: list[torch.Tensor] = []  # each tensor once: what the cache holds in memory
         self.graphs: DecodeGraphs | None = None
         # the last launch's sampled tokens (device) and each sampling request's index among them
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -98,18 +105,22 @@ class ModelRunner:
 
     # ---- memory ----------------------------------------------------------------------------------
     def block_bytes(self) -> int:
-        return self.spec.kv_bytes_per_token(self.dtype) * self.block_size
+        """Bytes of one block id: block_size tokens of the layers it spans (every layer, or one group's)."""
+        per_layer = self.spec.kv_bytes_per_token(self.dtype) // self.spec.num_layers
+        return per_layer * self.layout.layers_per_block * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         # Zeroed, not empty: a reference backend reads whole blocks and masks the unused slots, and
         # a NaN bit pattern left in never-written memory would survive a zero attention weight.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.spec.num_layers)]
+        self.kv_cache_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                                 for _ in range(self.layout.layers_per_block)]
+        self.kv_caches = [self.kv_cache_tensors[j] for j in self.layout.layer_tensor]
 
     def release_kv_cache(self) -> None:
         self.graphs = None  # the graphs hold the caches' addresses
-        self.kv_caches = []
+        self.kv_caches.clear()  # in place: a traceback's frame may still hold the lists
+        self.kv_cache_tensors.clear()
 
     def forget_last_sampled(self) -> None:
         """Drops the last launch's device tensor of sampled tokens (sleep mode: nothing will read it)."""
@@ -137,7 +148,7 @@ class ModelRunner:
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                             positions.to(self.device), self.kv_caches, metadata)
         self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=self.device) - 1]).float()  # the sampler's copy
-        scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        scratch = sum(t.numel() * t.element_size() for t in self.kv_cache_tensors)
         self.release_kv_cache()
         return scratch
 
@@ -228,6 +239,13 @@ class ModelRunner:
     # ---- step inputs ---------------------------------------------------------------------------
     def _update_block_table(self, sched: SchedulerOutput) -> None:
         block_table = self.block_table
+        if self.hybrid:  # new_block_ids: one list per group, or [] when no group got a block
+            for s in sched.scheduled:
+                if s.is_new:
+                    block_table.start_groups(s.request.request_id, s.new_block_ids)
+                elif s.new_block_ids:
+                    block_table.append_groups(s.request.request_id, s.new_block_ids)
+            return
         for s in sched.scheduled:
             if s.is_new:
                 block_table.start(s.request.request_id, s.new_block_ids)
@@ -272,6 +290,11 @@ class ModelRunner:
             + positions % block_size
         v.host_seq_lens[:num_seqs] = seq_lens
         v.host_block_tables[:num_seqs] = table[rows, :width]
+        if self.hybrid:  # the other groups' slots and tables (group 0's are written above)
+            tables = self.block_table.tables
+            v.host_group_slots[1:, :num_tokens] = tables[1:, token_rows, positions // block_size] * block_size \
+                + positions % block_size
+            v.host_group_block_tables[1:, :num_seqs] = tables[1:, rows, :width]
 
     def _upload(self, v: StepViews, pending_rows: list[int], pending_sources: list[int]) -> None:
         """Sends the step's inputs to the device, then fills the pending tokens in there (one gather
@@ -314,6 +337,8 @@ class ModelRunner:
             slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
             block_tables=v.block_tables, max_query_len=int(lens_np.max()), max_seq_len=max_seq_len,
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        if self.hybrid:
+            self._add_layer_metadata(metadata, v)
         return StepInputs(v.input_ids, v.positions, metadata, v.logits_indices), sampled_reqs
 
     def _fill_decode(self, sched: SchedulerOutput, batch_size: int) -> list[Request]:
@@ -340,6 +365,15 @@ class ModelRunner:
         v.host_slots[num_rows:] = -1
         v.host_seq_lens[num_rows:] = 1
         v.host_block_tables[num_rows:, 0] = 0
+        if self.hybrid:
+            v.host_group_slots[1:, num_rows:] = -1
+            v.host_group_block_tables[1:, num_rows:, 0] = 0
+
+    def _add_layer_metadata(self, metadata: AttentionMetadata, v: StepViews) -> None:
+        """A hybrid model's layers each read their group's slots and block table; the rest is shared."""
+        groups = [replace(metadata, slot_mapping=v.group_slot_mapping[g], block_tables=v.group_block_tables[g],
+                          base=metadata) for g in range(len(self.layout.groups))]
+        metadata.layer_metadata = [groups[g] for g in self.layout.layer_group]
 
     def _padded_decode_forward(self, batch_size: int) -> Callable[[], torch.Tensor]:
         """For capturing the graph of batch_size: every row of its inputs a padding row (uploaded), and
@@ -352,5 +386,7 @@ class ModelRunner:
             slot_mapping=v.slot_mapping, query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
             block_tables=v.block_tables, max_query_len=1, max_seq_len=max_len,
             query_start_loc_cpu=list(range(batch_size + 1)), seq_lens_cpu=[max_len] * batch_size)
+        if self.hybrid:
+            self._add_layer_metadata(metadata, v)
         model, kv_caches = self.model, self.kv_caches
         return lambda: model.compute_logits(model(v.input_ids, v.positions, kv_caches, metadata))

@@ -27,7 +27,7 @@ class ScheduledRequest:
     request: Request
     start: int
     num_new_tokens: int
-    new_block_ids: list[int]
+    new_block_ids: list[int] | list[list[int]]  # a hybrid model's: one list per layer group, [] if none
     is_new: bool  # first step since (re)admission: the runner starts its block table afresh
     samples: bool  # this step reaches the end of the known tokens: its last logits give a new token
 

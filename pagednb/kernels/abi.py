@@ -26,20 +26,25 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagednb_prefill_occupancy": ([_I32, _I32], _I32),
     "pagednb_write_kv": ([_VP, _VP, _I64, _I64, _VP, _I64, _VP, _I32, _I64, _VP], _I32),
     # fused elementwise ops (model/fused_ops.py)
-    "pagednb_rms_norm": ([_I32, _VP, _VP, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _F32, _VP], _I32),
+    "pagednb_rms_norm": ([_I32, _VP, _VP, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _F32, _F32, _I32, _VP], _I32),
     "pagednb_qk_norm_rope": ([_I32, _VP, _I64, _I64, _VP, _I64, _I64, _VP, _VP, _I64, _VP, _VP,
-                              _I32, _I32, _I32, _I32, _F32, _VP, _I64, _I64, _VP, _I64, _VP, _VP], _I32),
+                              _I32, _I32, _I32, _I32, _F32, _F32, _I32, _VP, _I64, _I64, _VP, _I64, _VP, _VP], _I32),
     "pagednb_silu_and_mul": ([_I32, _VP, _VP, _I64, _I32, _I32, _VP], _I32),
     # temperature sampling (engine/sampling_kernel.py)
     "pagednb_sample_temperature": ([_I32, _VP, _I64, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _VP], _I32),
     # small-batch linear (model/small_linear.py)
     "pagednb_gemv": ([_I32, _VP, _I64, _VP, _I64, _VP, _VP, _I32, _I32, _I32, _VP], _I32),
+    # fused mixture-of-experts MLP (model/fused_moe.py)
+    "pagednb_moe_workspace_bytes": ([_I32, _I32, _I32, _I32, _I32], _I64),
+    "pagednb_fused_moe": ([_I32, _VP, _VP, _I64, _VP, _VP, _VP, _VP, _I32, _VP, _I32, _I32, _I32, _I32, _I32, _VP],
+                          _I32),
     # tables and status
     "pagednb_dtype_name": ([_I32], ctypes.c_char_p),
     "pagednb_head_dim": ([_I32], _I32),
     "pagednb_max_norm_row_bytes": ([], _I64),
     "pagednb_max_sample_vocab": ([], _I32),
     "pagednb_gemv_max_rows": ([], _I32),
+    "pagednb_moe_max_experts": ([], _I32),
     "pagednb_params_size": ([], _I32),
     "pagednb_error_string": ([_I32], ctypes.c_char_p),
 }
@@ -93,5 +98,5 @@ class AttnParams(ctypes.Structure):
         ("H", _I32), ("Hkv", _I32), ("G", _I32), ("head_groups", _I32),
         ("bs_log2", _I32), ("window", _I32), ("part_size", _I32), ("P", _I32),
         ("decode_only", _I32), ("max_query_len", _I32), ("max_tiles", _I32),
-        ("scale_log2", _F32), ("row_variant", _I32),
+        ("scale_log2", _F32), ("row_variant", _I32), ("softcap_log2", _F32),
     ]

@@ -30,7 +30,8 @@ from pagednb.kernels.abi import declare
 logger = logging.getLogger("pagednb")
 
 SOURCES = ["bindings.cpp", "cache_write.cu", "decode_f32.cu", "decode_f16.cu", "decode_bf16.cu",
-           "prefill_f16.cu", "prefill_bf16.cu", "fused_ops.cu", "sampling.cu", "gemv.cu"]
+           "prefill_f16.cu", "prefill_bf16.cu", "fused_ops.cu", "sampling.cu", "gemv.cu",
+           "moe.cu"]
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
 

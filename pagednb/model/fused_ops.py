@@ -28,36 +28,38 @@ from pagednb.model.rotary import apply_rotary
 
 
 # ---- the ops ---------------------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             weight_offset: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [..., hidden]: out, or with a residual (out, x + residual). New tensors; the
-    inputs are left as they are."""
+    inputs are left as they are. weight_offset None: Llama's rounding; a number: the weight plus it
+    applied in float32 (OLMo 2: 0, Gemma: 1; see rms_norm_reference)."""
     kernels = _kernels_for(x, weight, residual)
     if kernels is not None:
-        result = kernels.rms_norm(x, weight, eps, residual)
+        result = kernels.rms_norm(x, weight, eps, residual, weight_offset)
         if result is not None:
             return result
-    return rms_norm_reference(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual, weight_offset)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q [N, H, D] and k [N, Hkv, D] (with the weights; Qwen3), then the rotary
-    embedding with cos, sin [N, 1, D]. The kernel writes q and k in place (they may be strided views
+                 eps: float = 1e-6, *, weight_offset: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q [N, H, D] and k [N, Hkv, D] (with the weights; Qwen3, and Gemma 3 with
+    weight_offset 1, as rms_norm), then the rotary embedding with cos, sin [N, 1, D] (narrower than D:
+    partial rotary, reference only). The kernel writes q and k in place (they may be strided views
     of the fused qkv output) and returns them; the reference returns new tensors. Callers use the
     returned pair and must not rely on q and k afterwards."""
     kernels = _kernels_for(q, k, q_weight, k_weight)
     if kernels is not None:
-        result = kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+        result = kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, weight_offset)
         if result is not None:
             return result
-    return qk_norm_rope_reference(q, k, cos, sin, q_weight, k_weight, eps)
+    return qk_norm_rope_reference(q, k, cos, sin, q_weight, k_weight, eps, weight_offset)
 
 
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, weight_offset: float | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """qk_norm_rope, plus the step's K (after the rotary embedding) and V written into the paged cache
     [2, num_blocks, block_size, Hkv, D] (attention/backend.py's layout) at slot_mapping (-1: skipped), in
@@ -66,7 +68,7 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     kernels = _kernels_for(q, k, v, q_weight, k_weight)
     if kernels is None:
         return None
-    return kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, (v, kv_cache, slot_mapping))
+    return kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, weight_offset, (v, kv_cache, slot_mapping))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -81,23 +83,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- references: the torch code the kernels reproduce ---------------------------------------------
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None
+                       residual: torch.Tensor | None = None, weight_offset: float | None = None
                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """HF's RMSNorm: x + residual added in the model dtype, normalised in float32, cast back to the
-    model dtype, then scaled by the weight."""
+    model dtype, then scaled by the weight (Llama); with a weight_offset, scaled by weight + offset in
+    float32 and cast back once (OLMo 2: 0; Gemma: 1, its checkpoints store w - 1)."""
     if residual is not None:
         x = x + residual
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
+    out = weight * h.to(x.dtype) if weight_offset is None else (h * (weight_offset + weight.float())).to(x.dtype)
     return out if residual is None else (out, x)
 
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float = 1e-6, weight_offset: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if q_weight is not None:
-        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+        q = rms_norm_reference(q, q_weight, eps, weight_offset=weight_offset)
+        k = rms_norm_reference(k, k_weight, eps, weight_offset=weight_offset)
     return apply_rotary(q, k, cos, sin)
 
 
@@ -118,7 +122,7 @@ class FusedKernels:
         self._max_norm_row_bytes = lib.pagednb_max_norm_row_bytes()  # the RMSNorm kernel keeps a row in registers
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
+                 residual: torch.Tensor | None = None, weight_offset: float | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         code = self._dtype_codes.get(x.dtype)
         hidden, es = x.shape[-1], x.element_size()
@@ -139,12 +143,14 @@ class FusedKernels:
         new_residual = torch.empty_like(out) if residual is not None else None
         rc = self._lib.pagednb_rms_norm(
             code, out.data_ptr(), None if new_residual is None else new_residual.data_ptr(), x.data_ptr(),
-            x_stride, r_ptr, r_stride, weight.data_ptr(), out.numel() // hidden, hidden, eps, current_stream(x))
+            x_stride, r_ptr, r_stride, weight.data_ptr(), out.numel() // hidden, hidden, eps,
+            *_norm_weight(weight_offset), current_stream(x))
         self._check(rc, "rms_norm")
         return out if new_residual is None else (out, new_residual)
 
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                     weight_offset: float | None = None,
                      cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cache_write: (v, kv_cache, slot_mapping) to write the step's K/V into the cache as well."""
@@ -176,7 +182,7 @@ class FusedKernels:
             code, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
             cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-            n, heads, k.shape[1], d, eps, *write, current_stream(q))
+            n, heads, k.shape[1], d, eps, *_norm_weight(weight_offset), *write, current_stream(q))
         self._check(rc, "qk_norm_rope")
         return q, k
 
@@ -229,6 +235,11 @@ def _cache_write_args(cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if (v.data_ptr() | kv_cache.data_ptr() | (v.stride(0) | v.stride(1)) * es) % 16:
         return None
     return v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(), kv_cache[0].numel(), slots.data_ptr()
+
+
+def _norm_weight(weight_offset: float | None) -> tuple[float, int]:
+    """The kernels' NormWeight (launchers.h): (offset, 1) applies weight + offset in float32; (0, 0) is Llama's."""
+    return (0.0, 0) if weight_offset is None else (float(weight_offset), 1)
 
 
 def _row_stride(t: torch.Tensor) -> int | None:

@@ -16,6 +16,7 @@ import torch
 from pagednb.attention.backend import AttentionBackend
 from pagednb.model.decoder import CausalLM
 from pagednb.model.layers import MergedLinear
+from pagednb.model.moe import FusedExperts, checkpoint_tensors
 from pagednb.model.registry import build_model
 from pagednb.model.spec import CONFIG_DIMENSIONS, ModelSpec, check_hf_config
 
@@ -98,15 +99,31 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 
 def load_model(path: Path, hf_config, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               attn_backend: AttentionBackend) -> CausalLM:
+               attn_backend: AttentionBackend, load_format: str = "auto") -> CausalLM:
     """Build the model of spec (registry.model_spec) without initialising weights, then fill every
-    parameter from safetensors."""
+    parameter from safetensors ("auto") or with random values on the device ("dummy")."""
     with torch.device("meta"):
         model = build_model(spec, hf_config, attn_backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
-    load_weights(model, safetensors_files(Path(path)))
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, safetensors_files(Path(path)))
     return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """vLLM's load_format="dummy": a model of a real shape without its checkpoint (a 61 GB MoE benchmarked
+    on a 64 GiB disk), the values drawn where the parameters live. Norm weights 1 and biases 0, matrices
+    N(0, 0.02^2) as HF initialises them, so activations stay finite through every layer."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=gen)
+        else:
+            param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -158,15 +175,19 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield from checkpoint_tensors(name, f.get_tensor(name))  # MoE experts under one naming
 
 
-def weight_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | None]]:
-    """Checkpoint (HF) tensor name -> (parameter, rows of it), unpacking the fused projections."""
-    targets: dict[str, tuple[torch.Tensor, slice | None]] = {}
+def weight_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | tuple | None]]:
+    """Checkpoint (HF) tensor name -> (parameter, the part of it: rows, or an expert's rows), unpacking the
+    fused projections and the stacked experts."""
+    targets: dict[str, tuple[torch.Tensor, slice | tuple | None]] = {}
     for module_name, module in model.named_modules():
+        if isinstance(module, FusedExperts):
+            targets.update(module.weight_targets(module_name))
+            continue
         for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, MergedLinear):
+            if isinstance(module, MergedLinear) and not module.fused_in_checkpoint:
                 parent = module_name.rpartition(".")[0]
                 for shard, rows in module.shard_slices().items():
                     targets[f"{parent}.{shard}.{param_name}"] = (param, rows)

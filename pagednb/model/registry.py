@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagednb.attention.backend import AttentionBackend
-from pagednb.model.decoder import CausalLM, DecoderFlavor, llama_flavor, qwen2_flavor, qwen3_flavor
+from pagednb.model.decoder import (CausalLM, DecoderFlavor, gemma2_flavor, gemma3_flavor, granite_flavor,
+                                   llama_flavor, mixtral_flavor, olmo2_flavor, phi3_flavor, qwen2_flavor,
+                                   qwen3_flavor, qwen3_moe_flavor)
 from pagednb.model.spec import ModelSpec, check_hf_config
 
 SlidingWindows = tuple[int | None, ...]  # one per layer; None = full attention
@@ -26,7 +28,7 @@ def no_sliding_windows(cfg) -> SlidingWindows:
 
 
 def mistral_sliding_windows(cfg) -> SlidingWindows:
-    """Mistral applies its sliding_window (when set) to every layer."""
+    """Mistral and Phi-3 apply their sliding_window (when set) to every layer."""
     return (getattr(cfg, "sliding_window", None),) * cfg.num_hidden_layers
 
 
@@ -37,6 +39,15 @@ def qwen_sliding_windows(cfg) -> SlidingWindows:
         return no_sliding_windows(cfg)
     layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def layer_type_sliding_windows(cfg) -> SlidingWindows:
+    """Gemma 2/3: the layers typed "sliding_attention" slide (Gemma 2: every other one, from the first;
+    Gemma 3: five in six, from its sliding_window_pattern); HF's config writes layer_types out."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is None:
+        return no_sliding_windows(cfg)
+    return tuple(window if t == "sliding_attention" else None for t in cfg.layer_types)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,19 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(llama_flavor, mistral_sliding_windows),
     "Qwen2ForCausalLM": Architecture(qwen2_flavor, qwen_sliding_windows),
     "Qwen3ForCausalLM": Architecture(qwen3_flavor, qwen_sliding_windows),
+    "Gemma2ForCausalLM": Architecture(gemma2_flavor, layer_type_sliding_windows),
+    "Gemma3ForCausalLM": Architecture(gemma3_flavor, layer_type_sliding_windows),
+    "Phi3ForCausalLM": Architecture(phi3_flavor, mistral_sliding_windows),
+    "Olmo2ForCausalLM": Architecture(olmo2_flavor, no_sliding_windows),
+    "GraniteForCausalLM": Architecture(granite_flavor, no_sliding_windows),
+    "Qwen3MoeForCausalLM": Architecture(qwen3_moe_flavor, mistral_sliding_windows),  # as HF: wherever set
+    "MixtralForCausalLM": Architecture(mixtral_flavor, mistral_sliding_windows),
+}
+
+
+_REFUSAL_HINTS = {  # near misses a user is likely to try
+    "Gemma3ForConditionalGeneration": " (the multimodal Gemma 3, 4b and up: pagednb runs text-only decoders, "
+                                      "such as gemma-3-1b's Gemma3ForCausalLM)",
 }
 
 
@@ -61,7 +85,7 @@ def _architecture_name(hf_config) -> str:
     name = names[0] if names else None
     if name not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"architecture {name!r} is not supported by pagednb; "
+            f"architecture {name!r} is not supported by pagednb{_REFUSAL_HINTS.get(name, '')}; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     return name
 

@@ -121,6 +121,10 @@ def estimate_num_parameters(cfg) -> int:
     embeddings = cfg.vocab_size * hidden * (1 if tied else 2)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
     mlp = 3 * hidden * cfg.intermediate_size
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    expert_size = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    if isinstance(experts, int) and isinstance(expert_size, int) and experts > 0:
+        mlp = 3 * hidden * expert_size * experts  # MoE (Qwen3-MoE, Mixtral): all the layer's experts
     return embeddings + cfg.num_hidden_layers * (attention + mlp)
 
 

@@ -1,0 +1,419 @@
+// The fused mixture-of-experts MLP: out[t] = sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)).
+//
+// Four launches, no host synchronisation and only shape-dependent grids, so a CUDA graph can capture them:
+//   1. route: one 1024-thread CTA counts the (token, slot) pairs per expert, scans the counts into each
+//      expert's first row (expert_offsets) and first M-tile (tile_offsets), and lists the pairs in expert
+//      order (sorted_pairs). Within an expert the order is whatever the atomics give; every row is computed
+//      on its own, so results do not depend on it.
+//   2. gate/up GEMM: a grouped GEMM over the experts' M-tiles on tensor cores (mma.sync m16n8k16, fp32
+//      accumulate, cp.async multi-stage pipeline, ldmatrix from padded shared memory). The A rows are
+//      gathered from the tokens' hidden states; each CTA loads gate rows j.. and the matching up rows I + j..
+//      so one thread holds gate and up of the same element and writes silu(gate) * up (act, in expert order).
+//   3. down GEMM: the same kernel over act, each row written to its pair's slot (ybuf, in token order).
+//   4. combine: out[t] = sum_k w[t, k] * ybuf[t * topk + k] in float32, rounded once.
+// The grid covers the most M-tiles any routing can need (ceil(P / BM) + min(E, P) for P pairs); CTAs past
+// the tiles this routing needs return at once.
+//
+// Tiles: decode steps route few rows to each expert, and there the weights' bytes dominate, so small batches
+// use 16-row tiles (the mma's M) with narrow N (64 rows of weights per CTA, many CTAs, 8 stages: 56 KB of
+// weights in flight per CTA, since at one token only ~200 CTAs have work); batches of about 8-32 rows per
+// expert (decode at batch 64-512 with top-8 of 128) use 32-row tiles so most experts' weights are read once;
+// larger batches use 64 x 128 tiles, and from 128 rows per expert (prefill) 128 x 128 tiles of 8 warps. The
+// choice depends on the shape only (rows per expert on average), never on the routing.
+//
+// Rounding follows HF's expert MLP: gate and up rounded to the model dtype, silu rounded, the product
+// rounded, the down projection rounded; the top-k sum is float32 with one rounding (HF adds in bf16).
+#include <algorithm>
+
+#include "common.cuh"
+#include "launchers.h"
+
+namespace pagednb {
+namespace {
+
+constexpr int kRouteThreads = 1024;  // at most; a launch uses enough for one expert (and one pair) per thread
+static_assert(kMoeMaxExperts <= kRouteThreads, "one scan element per thread");
+constexpr int kBK = 64;          // reduction elements per pipeline stage
+constexpr int kPad = 8;          // shared rows of kBK + 8 elements: ldmatrix reads 8 rows without bank conflicts
+constexpr int kLd = kBK + kPad;
+
+__device__ __forceinline__ int warp_inclusive_scan(int x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  return x;
+}
+
+// Block-wide inclusive scan of two counters at once (rows, tiles); blockDim.x is a multiple of 32.
+__device__ __forceinline__ int2 block_inclusive_scan(int2 v, int2* warp_totals) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v.x = warp_inclusive_scan(v.x);
+  v.y = warp_inclusive_scan(v.y);
+  if (lane == 31) warp_totals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int2 t = lane < (int)(blockDim.x >> 5) ? warp_totals[lane] : make_int2(0, 0);
+    const int2 own = t;
+    t.x = warp_inclusive_scan(t.x);
+    t.y = warp_inclusive_scan(t.y);
+    warp_totals[lane] = make_int2(t.x - own.x, t.y - own.y);  // exclusive prefix of each warp
+  }
+  __syncthreads();
+  const int2 base = warp_totals[warp];
+  return make_int2(v.x + base.x, v.y + base.y);
+}
+
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const int64_t* __restrict__ ids, int pairs, int E,
+                                                                  int bm, int* __restrict__ sorted_pairs,
+                                                                  int* __restrict__ expert_offsets,
+                                                                  int* __restrict__ tile_offsets) {
+  __shared__ int count[kMoeMaxExperts];
+  __shared__ int2 warp_totals[32];
+  const int tid = threadIdx.x;
+  const int threads = blockDim.x;
+  for (int e = tid; e < E; e += threads) count[e] = 0;
+  __syncthreads();
+  for (int p = tid; p < pairs; p += threads) {
+    const int64_t e = __ldg(ids + p);
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  const int c = tid < E ? count[tid] : 0;
+  const int2 own = make_int2(c, (c + bm - 1) / bm);
+  const int2 incl = block_inclusive_scan(own, warp_totals);
+  if (tid < E) {
+    expert_offsets[tid] = incl.x - own.x;
+    tile_offsets[tid] = incl.y - own.y;
+    count[tid] = incl.x - own.x;  // from here on: the expert's next free row
+  }
+  if (tid == E - 1) {
+    expert_offsets[E] = incl.x;
+    tile_offsets[E] = incl.y;
+  }
+  __syncthreads();
+  for (int p = tid; p < pairs; p += threads) {
+    const int64_t e = __ldg(ids + p);
+    if (e >= 0 && e < E) sorted_pairs[atomicAdd(&count[e], 1)] = p;
+  }
+}
+
+struct GemmArgs {
+  const void* a;              // gate/up: hidden [T, H] (row stride a_stride); down: act [P, I] in expert order
+  int64_t a_stride;
+  const void* w;              // [E, w_rows, K], dense
+  void* out;                  // gate/up: act [P, N]; down: ybuf [P, N] in pair order
+  const int* sorted_pairs;
+  const int* expert_offsets;
+  const int* tile_offsets;
+  int E, topk, N, K;          // N: output columns (I for gate/up, H for down); K: reduction length
+};
+
+// A CTA of WM x WN warps computes BM = WM * MI * 16 rows by BN = WN * NI * 8 weight rows. In the gate/up
+// kernel each warp's first NI/2 fragments are gate rows and its last NI/2 the matching up rows, so the CTA
+// writes BN / 2 act columns.
+template <typename T, int WM, int WN, int MI, int NI, int STAGES, bool kGateUp>
+struct MoeGemm {
+  static constexpr int kThreads = WM * WN * 32;
+  static constexpr int BM = WM * MI * 16;
+  static constexpr int BN = WN * NI * 8;
+  static constexpr int kOutCols = kGateUp ? BN / 2 : BN;
+  static constexpr int kStageElems = (BM + BN) * kLd;
+  static constexpr int kSmemBytes = STAGES * kStageElems * 2;
+  static_assert(NI % 2 == 0, "B fragments are loaded in pairs (and split gate / up)");
+};
+
+template <typename T, int WM, int WN, int MI, int NI, int STAGES, bool kGateUp>
+__global__ void __launch_bounds__(WM * WN * 32) moe_gemm_kernel(const GemmArgs g) {
+  using Cfg = MoeGemm<T, WM, WN, MI, NI, STAGES, kGateUp>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  extern __shared__ __align__(16) unsigned char moe_smem[];
+  T* smem = reinterpret_cast<T*>(moe_smem);
+  __shared__ const T* a_rows[BM];  // each tile row's source row (nullptr: past the expert's rows)
+  __shared__ int out_rows[BM];     // each tile row's destination row (-1: none)
+
+  // which expert and which of its rows this CTA serves
+  const int tile = blockIdx.x;
+  const int num_tiles = __ldg(g.tile_offsets + g.E);
+  if (tile >= num_tiles) return;
+  int lo = 0, hi = g.E - 1;  // the last expert whose first tile is <= tile
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(g.tile_offsets + mid) <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int e = lo;
+  const int m0 = __ldg(g.expert_offsets + e) + (tile - __ldg(g.tile_offsets + e)) * BM;
+  const int m_end = __ldg(g.expert_offsets + e + 1);
+  const int n0 = blockIdx.y * Cfg::kOutCols;
+  const T* a_base = static_cast<const T*>(g.a);
+  for (int r = threadIdx.x; r < BM; r += Cfg::kThreads) {
+    const int m = m0 + r;
+    if (m < m_end) {
+      const int pair = __ldg(g.sorted_pairs + m);
+      a_rows[r] = kGateUp ? a_base + (int64_t)(pair / g.topk) * g.a_stride : a_base + (int64_t)m * g.a_stride;
+      out_rows[r] = kGateUp ? m : pair;
+    } else {
+      a_rows[r] = nullptr;
+      out_rows[r] = -1;
+    }
+  }
+  __syncthreads();
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WN, wn = warp % WN;
+  const int w_rows_total = kGateUp ? 2 * g.N : g.N;
+  const T* w_base = static_cast<const T*>(g.w) + (int64_t)e * w_rows_total * g.K;
+
+  // the weight row each shared B row holds (nullptr: past the matrix)
+  auto b_row = [&](int s) -> const T* {
+    int row;
+    if (kGateUp) {
+      const int w = s / (NI * 8), r = s % (NI * 8);
+      const int j = n0 + w * NI * 4 + r % (NI * 4);
+      if (j >= g.N) return nullptr;
+      row = (r / (NI * 4)) * g.N + j;
+    } else {
+      row = n0 + s;
+      if (row >= g.N) return nullptr;
+    }
+    return w_base + (int64_t)row * g.K;
+  };
+
+  const int k_tiles = (g.K + kBK - 1) / kBK;
+  constexpr int kChunksPerRow = kBK / 8;
+  auto load_stage = [&](int stage, int kt) {
+    T* as = smem + stage * Cfg::kStageElems;
+    T* bs = as + BM * kLd;
+    const int k0 = kt * kBK;
+    for (int c = tid; c < BM * kChunksPerRow; c += Cfg::kThreads) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      const T* src = a_rows[r];
+      const bool ok = src != nullptr && k0 + col < g.K;
+      cp_async16(as + r * kLd + col, ok ? src + k0 + col : a_base, ok);
+    }
+    for (int c = tid; c < BN * kChunksPerRow; c += Cfg::kThreads) {
+      const int s = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      const T* src = b_row(s);
+      const bool ok = src != nullptr && k0 + col < g.K;
+      cp_async16(bs + s * kLd + col, ok ? src + k0 + col : w_base, ok);
+    }
+  };
+
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage kt is in; every warp is done with stage kt - 1, which the load below reuses
+    const T* as = smem + (kt % STAGES) * Cfg::kStageElems;
+    const T* bs = as + BM * kLd;
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      uint32_t af[MI][4];
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+        ldmatrix_x4(af[i], as + (wm * MI * 16 + i * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int j = 0; j < NI; j += 2) {
+        uint32_t bf[4];
+        const int n = wn * NI * 8 + j * 8 + (lane >> 4) * 8 + (lane & 7);
+        ldmatrix_x4(bf, bs + n * kLd + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          mma16816<T>(acc[i][j], af[i], bf[0], bf[1]);
+          mma16816<T>(acc[i][j + 1], af[i], bf[2], bf[3]);
+        }
+      }
+    }
+    const int next = kt + STAGES - 1;
+    if (next < k_tiles) load_stage(next % STAGES, next);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // epilogue: fragment c0, c1 at (lane / 4, 2 * (lane % 4) + {0, 1}); c2, c3 eight rows below
+  T* out = static_cast<T*>(g.out);
+#pragma unroll
+  for (int i = 0; i < MI; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wm * MI * 16 + i * 16 + (lane >> 2) + half * 8;
+      const int dest = out_rows[r];
+      if (dest < 0) continue;
+      T* row = out + (int64_t)dest * g.N;
+      if (kGateUp) {
+#pragma unroll
+        for (int j = 0; j < NI / 2; ++j) {
+          const int col = n0 + wn * NI * 4 + j * 8 + 2 * (lane & 3);
+          if (col >= g.N) continue;
+          float v[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float gate = Elem<T>::to_float(Elem<T>::from_float(acc[i][j][half * 2 + c]));
+            const float up = Elem<T>::to_float(Elem<T>::from_float(acc[i][j + NI / 2][half * 2 + c]));
+            const float act = Elem<T>::to_float(Elem<T>::from_float(__fdiv_rn(gate, __fadd_rn(1.f, expf(-gate)))));
+            v[c] = __fmul_rn(act, up);
+          }
+          *reinterpret_cast<uint32_t*>(row + col) = pack2<T>(v[0], v[1]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NI; ++j) {
+          const int col = n0 + wn * NI * 8 + j * 8 + 2 * (lane & 3);
+          if (col < g.N)
+            *reinterpret_cast<uint32_t*>(row + col) = pack2<T>(acc[i][j][half * 2], acc[i][j][half * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+// A routing weight as float32, from float32 or the model's 16-bit type (exact either way).
+template <typename T>
+__device__ __forceinline__ float routing_weight(const void* weights, int weights_dtype, int p) {
+  return weights_dtype == kFloat32 ? __ldg(static_cast<const float*>(weights) + p)
+                                   : Elem<T>::to_float(static_cast<const T*>(weights)[p]);
+}
+
+// out[t] = sum_k w[t, k] * ybuf[t * topk + k]: one CTA per token, 16-byte vectors along H.
+template <typename T>
+__global__ void __launch_bounds__(128) moe_combine_kernel(T* __restrict__ out, const T* __restrict__ ybuf,
+                                                          const void* __restrict__ weights, int weights_dtype,
+                                                          const int64_t* __restrict__ ids, int H, int topk, int E) {
+  const int t = blockIdx.x;
+  constexpr int V = Elem<T>::kVec;
+  for (int v = threadIdx.x; v < H / V; v += blockDim.x) {
+    float sum[V] = {};
+    for (int k = 0; k < topk; ++k) {
+      const int p = t * topk + k;
+      const int64_t e = __ldg(ids + p);
+      if (e < 0 || e >= E) continue;
+      const float w = routing_weight<T>(weights, weights_dtype, p);
+      float y[V];
+      Elem<T>::unpack(ldg16(ybuf + (int64_t)p * H + v * V), y);
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum[i] = fmaf(w, y[i], sum[i]);
+    }
+    uint4 packed;
+    uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) words[i] = pack2<T>(sum[2 * i], sum[2 * i + 1]);
+    *reinterpret_cast<uint4*>(out + (int64_t)t * H + v * V) = packed;
+  }
+}
+
+// ---- workspace ----------------------------------------------------------------------------------------
+int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
+
+struct Workspace {
+  int* sorted_pairs;    // [P]
+  int* expert_offsets;  // [E + 1]
+  int* tile_offsets;    // [E + 1]
+  void* act;            // [P, I]
+  void* ybuf;           // [P, H]
+  int64_t bytes;
+};
+
+Workspace carve(void* base, int T, int H, int I, int E, int topk) {
+  const int64_t P = (int64_t)T * topk;
+  char* p = static_cast<char*>(base);
+  Workspace w{};
+  int64_t at = 0;
+  auto take = [&](int64_t n) { char* q = p ? p + at : nullptr; at += align256(n); return q; };
+  w.sorted_pairs = reinterpret_cast<int*>(take(P * 4));
+  w.expert_offsets = reinterpret_cast<int*>(take((int64_t)(E + 1) * 4));
+  w.tile_offsets = reinterpret_cast<int*>(take((int64_t)(E + 1) * 4));
+  w.act = take(P * I * 2);
+  w.ybuf = take(P * H * 2);
+  w.bytes = at;
+  return w;
+}
+
+// ---- launch ----------------------------------------------------------------------------------------------
+template <typename Kernel>
+int prepare(Kernel kernel, int smem_bytes) {
+  if (smem_bytes <= 48 * 1024) return 0;
+  return (int)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
+template <typename T, int WM, int WN, int MI, int NI, int STAGES, bool kGateUp>
+int launch_gemm(const GemmArgs& g, int pairs, cudaStream_t st) {
+  using Cfg = MoeGemm<T, WM, WN, MI, NI, STAGES, kGateUp>;
+  auto kernel = moe_gemm_kernel<T, WM, WN, MI, NI, STAGES, kGateUp>;
+  static const int prepared = prepare(kernel, Cfg::kSmemBytes);  // once per instantiation, before any capture
+  if (prepared != 0) return prepared;
+  const int64_t tiles = std::min<int64_t>(pairs, (pairs + Cfg::BM - 1) / Cfg::BM + std::min(g.E, pairs));
+  const int64_t col_blocks = (g.N + Cfg::kOutCols - 1) / Cfg::kOutCols;
+  if (tiles > 0x7fffffff || col_blocks > 65535) return -1;
+  kernel<<<dim3((unsigned)tiles, (unsigned)col_blocks), Cfg::kThreads, Cfg::kSmemBytes, st>>>(g);
+  return (int)cudaGetLastError();
+}
+
+// Both GEMMs with one tile shape; BM must match the routing kernel's.
+template <typename T, int WM, int WN, int MI, int NI, int STAGES>
+int launch_expert_mlp(const FusedMoeArgs& a, const Workspace& w, cudaStream_t st) {
+  constexpr int BM = MoeGemm<T, WM, WN, MI, NI, STAGES, true>::BM;
+  const int pairs = a.T * a.topk;
+  // one thread per expert at least (the scan), per pair where there are few: a decode step's routing
+  // is a few hundred threads, not 1024 with its barriers
+  const int threads = std::min(kRouteThreads, (std::max(a.E, pairs) + 31) / 32 * 32);
+  moe_route_kernel<<<1, threads, 0, st>>>(a.topk_ids, pairs, a.E, BM, w.sorted_pairs, w.expert_offsets,
+                                          w.tile_offsets);
+  int rc = (int)cudaGetLastError();
+  if (rc != 0) return rc;
+  const GemmArgs up{a.hidden, a.hidden_stride, a.w13, w.act, w.sorted_pairs, w.expert_offsets, w.tile_offsets,
+                    a.E, a.topk, a.I, a.H};
+  rc = launch_gemm<T, WM, WN, MI, NI, STAGES, true>(up, pairs, st);
+  if (rc != 0) return rc;
+  const GemmArgs down{w.act, a.I, a.w2, w.ybuf, w.sorted_pairs, w.expert_offsets, w.tile_offsets,
+                      a.E, a.topk, a.H, a.I};
+  return launch_gemm<T, WM, WN, MI, NI, STAGES, false>(down, pairs, st);
+}
+
+template <typename T>
+int launch_fused_moe_dtype(const FusedMoeArgs& a, cudaStream_t st) {
+  const Workspace w = carve(a.workspace, a.T, a.H, a.I, a.E, a.topk);
+  const int64_t pairs = (int64_t)a.T * a.topk;
+  // rows per expert on average: a few (decode) -> 16 x 64 tiles, many CTAs streaming weights 7 stages ahead;
+  // about a tile (large decode batches) -> 32 x 128, so an expert's weights are read once; more (prefill)
+  // -> 64 x 128, and from 128 rows 128 x 128 tiles of 8 warps (twice the MMAs per byte of shared memory)
+  const int64_t rows_per_expert = pairs / a.E;
+  const int rc = rows_per_expert < 8     ? launch_expert_mlp<T, 1, 4, 1, 2, 8>(a, w, st)
+                 : rows_per_expert < 32  ? launch_expert_mlp<T, 2, 2, 1, 8, 4>(a, w, st)
+                 : rows_per_expert < 128 ? launch_expert_mlp<T, 2, 2, 2, 8, 3>(a, w, st)
+                                         : launch_expert_mlp<T, 2, 4, 4, 4, 3>(a, w, st);
+  if (rc != 0) return rc;
+  moe_combine_kernel<T><<<a.T, 128, 0, st>>>(static_cast<T*>(a.out), static_cast<const T*>(w.ybuf),
+                                             a.topk_weights, a.weights_dtype, a.topk_ids, a.H, a.topk, a.E);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t moe_workspace_bytes(int T, int H, int I, int E, int topk) {
+  return carve(nullptr, T, H, I, E, topk).bytes;
+}
+
+int launch_fused_moe(int dtype, const FusedMoeArgs& a, void* stream) {
+  if (a.T <= 0) return 0;  // the shape is checked by bindings.cpp
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kFloat16: return launch_fused_moe_dtype<__half>(a, st);
+    case kBFloat16: return launch_fused_moe_dtype<__nv_bfloat16>(a, st);
+    default: return -1;
+  }
+}
+
+}  // namespace pagednb

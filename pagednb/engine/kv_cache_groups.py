@@ -1,0 +1,65 @@
+"""How the layers of a model share the KV pool: one group per attention type, or one group of every layer.
+
+A model whose layers all attend alike (every layer full, or every layer through the same window) has one
+group: a block id names `block_size` token slots in every layer's cache, as it always has.
+
+A model that mixes sliding-window and full-attention layers (Gemma 2/3, Qwen2/3 with mixed layer_types)
+gets vLLM's hybrid layout, simplified: the layers are split into groups of exactly P layers each, every
+group holding layers of one attention type, where P is the greatest common divisor of the per-type layer
+counts (so no group is padded). The cache is P tensors of [2, num_blocks, block_size, Hkv, D]; the j-th
+layer of every group uses tensor j. So a block id is P layers' worth of memory, and it means different
+layers depending on which group holds it: all groups draw from ONE pool of block ids. That is why the
+memory stays fungible — a batch of short requests uses the sliding groups' blocks as freely as the full
+groups' ones — while a sliding group only holds the blocks of its last window, so a long request costs
+full-attention memory for its full layers alone. Each group keeps its own block list per request and its
+own block table in the runner; token t sits at block index t // block_size in every group's table.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that attend alike and share a block table: full attention (window None) or window W."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    groups: tuple[KVCacheGroup, ...]
+    layers_per_block: int  # P: the layers one block id spans (= the number of cache tensors)
+    layer_group: tuple[int, ...]  # per layer: the group whose block table it reads
+    layer_tensor: tuple[int, ...]  # per layer: which of the P cache tensors it reads and writes
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [group.window for group in self.groups]
+
+
+def plan_kv_cache_layout(sliding_windows: tuple[int | None, ...]) -> KVCacheLayout:
+    """The layout for a model whose layer i attends through sliding_windows[i] (None: full attention)."""
+    num_layers = len(sliding_windows)
+    if len(set(sliding_windows)) <= 1:  # uniform: today's one tensor per layer, one block table
+        return KVCacheLayout((KVCacheGroup(sliding_windows[0] if num_layers else None, tuple(range(num_layers))),),
+                             num_layers, (0,) * num_layers, tuple(range(num_layers)))
+    by_type: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(sliding_windows):
+        by_type.setdefault(window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in by_type.values()))
+    groups: list[KVCacheGroup] = []
+    layer_group, layer_tensor = [0] * num_layers, [0] * num_layers
+    for window, layers in by_type.items():
+        for start in range(0, len(layers), size):
+            members = tuple(layers[start:start + size])
+            for j, layer in enumerate(members):
+                layer_group[layer], layer_tensor[layer] = len(groups), j
+            groups.append(KVCacheGroup(window, members))
+    return KVCacheLayout(tuple(groups), size, tuple(layer_group), tuple(layer_tensor))

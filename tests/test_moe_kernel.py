@@ -1,0 +1,142 @@
+"""The fused MoE kernel (kernels_cuda/moe.cu) against the torch reference on the GPU: routing edge cases
+(an expert with no tokens, every token on one expert, top-k 1/2/8), batch 1 to 8192 tokens, 8 and 128
+experts, shapes that do not fill a tile, and a CUDA graph replayed with new routing.
+
+Tolerance: the oracle is the reference run in float32 on the same bf16/fp16 inputs. The kernel rounds
+gate, up, silu, the product and the down projection to the model dtype, as HF does, so each output is off
+by a few units of the 16-bit type's last place (2^-8 relative in bf16): we allow 2^-6 of the row's scale
+(|ref| max over the row) plus 2^-6 relative. A wrong expert, weight or token moves outputs by O(1) of the
+scale, far beyond this.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_support import built_kernels, gpu
+
+from pagednb.model import fused_moe as moe_ops
+
+TOL = 2.0 ** -6
+
+
+def make_experts(E: int, H: int, I: int, dtype: torch.dtype, gen: torch.Generator):
+    w13 = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(dtype)
+    return w13, w2
+
+
+def random_routing(T: int, E: int, top_k: int, gen: torch.Generator, allowed: list[int] | None = None):
+    """(weights [T, top_k] float32, ids [T, top_k] int64): distinct experts per token from `allowed`."""
+    pool = torch.tensor(allowed if allowed is not None else list(range(E)), device="cuda")
+    scores = torch.rand(T, len(pool), generator=gen, device="cuda")
+    ids = pool[scores.topk(top_k, dim=-1).indices]
+    weights = torch.rand(T, top_k, generator=gen, device="cuda") + 0.1
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def check_against_reference(hidden, w13, w2, weights, ids) -> None:
+    out = moe_ops.fused_moe(hidden, w13, w2, weights, ids)
+    ref = moe_ops.fused_moe_reference(hidden.float(), w13.float(), w2.float(), weights, ids)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    scale = ref.abs().amax(dim=-1, keepdim=True)
+    err = (out.float() - ref).abs()
+    bad = err > TOL * scale + TOL * ref.abs()
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off; worst {float(err.max()):.3g} "
+                           f"at scale {float(scale.max()):.3g}")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return built_kernels(moe_ops.KERNEL.get)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,E,top_k", [(1, 8, 2), (1, 128, 8), (16, 128, 8), (37, 8, 1), (256, 128, 8),
+                                       (300, 8, 2), (8192, 128, 8)])
+def test_kernel_matches_reference(kernel, dtype, T, E, top_k):
+    gen = torch.Generator("cuda").manual_seed(T * 1000 + E + top_k)
+    H, I = 256, 96  # I = 96: the gate/up column tiles (32 or 64) and down K-tiles (64) are partly empty
+    w13, w2 = make_experts(E, H, I, dtype, gen)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(dtype)
+    weights, ids = random_routing(T, E, top_k, gen)
+    assert kernel.fused_moe(hidden, w13, w2, weights, ids) is not None  # the kernel, not the fallback, ran
+    check_against_reference(hidden, w13, w2, weights, ids)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 64, 2048])
+def test_an_expert_with_no_tokens_and_all_tokens_on_one_expert(kernel, T):
+    gen = torch.Generator("cuda").manual_seed(T)
+    E, H, I = 8, 128, 64
+    w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = random_routing(T, E, 2, gen, allowed=[0, 1, 2, 4, 5, 6, 7])  # expert 3 idle
+    check_against_reference(hidden, w13, w2, weights, ids)
+    one = torch.full((T, 1), 5, device="cuda")
+    check_against_reference(hidden, w13, w2, torch.ones(T, 1, device="cuda"), one)
+    two = torch.tensor([[5, 6]], device="cuda").expand(T, 2).contiguous()  # every token on the same two
+    check_against_reference(hidden, w13, w2, weights, two)
+
+
+@gpu
+def test_real_model_dims_qwen3_30b_a3b_layer(kernel):
+    gen = torch.Generator("cuda").manual_seed(0)
+    E, H, I, top_k = 128, 2048, 768, 8
+    w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
+    for T in (1, 256, 4096):
+        hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+        check_against_reference(hidden, w13, w2, *random_routing(T, E, top_k, gen))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_routing_weights_in_the_model_dtype_as_qwen3_moe_rounds_them(kernel, dtype):
+    """Qwen3-MoE's router returns weights in the model dtype (read as they are); another dtype is converted."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    E, H, I, T, top_k = 16, 128, 64, 64, 4
+    w13, w2 = make_experts(E, H, I, dtype, gen)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(dtype)
+    weights, ids = random_routing(T, E, top_k, gen)
+    check_against_reference(hidden, w13, w2, weights.to(dtype), ids)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    check_against_reference(hidden, w13, w2, weights.to(other), ids)
+
+
+@gpu
+def test_strided_hidden_rows_are_read_in_place(kernel):
+    gen = torch.Generator("cuda").manual_seed(1)
+    E, H, I, T = 8, 128, 64, 33
+    w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
+    wide = torch.randn(T, 2 * H, generator=gen, device="cuda").to(torch.bfloat16)
+    hidden = wide[:, H:]  # row stride 2H
+    weights, ids = random_routing(T, E, 2, gen)
+    assert kernel.fused_moe(hidden, w13, w2, weights, ids) is not None
+    check_against_reference(hidden, w13, w2, weights, ids)
+
+
+@gpu
+def test_captured_in_a_cuda_graph_and_replayed_with_new_routing(kernel):
+    """No host sync and only shape-dependent grids: a graph captured once serves any later routing."""
+    gen = torch.Generator("cuda").manual_seed(2)
+    E, H, I, T, top_k = 64, 256, 128, 48, 4
+    w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = random_routing(T, E, top_k, gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_ops.fused_moe(hidden, w13, w2, weights, ids)  # warm-up (one-time kernel attributes)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_ops.fused_moe(hidden, w13, w2, weights, ids)
+    for round_ in range(3):
+        new_weights, new_ids = random_routing(T, E, top_k, gen, allowed=list(range(round_, E, 3)))
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        hidden.copy_(torch.randn(T, H, generator=gen, device="cuda"))
+        graph.replay()
+        ref = moe_ops.fused_moe_reference(hidden.float(), w13.float(), w2.float(), weights, ids)
+        scale = ref.abs().amax(dim=-1, keepdim=True)
+        assert ((out.float() - ref).abs() <= TOL * scale + TOL * ref.abs()).all()
