@@ -51,13 +51,15 @@ def make_model_dir(shape: str, path: Path) -> Path:
     """An HF folder with random bf16 weights (none for CHECKPOINT_FREE shapes: config.json only) and a
     word-level tokenizer covering the whole vocabulary."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")
     config_cls = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "gemma3_text": Gemma3TextConfig}.get(arch, LlamaConfig)
     config = config_cls(max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0,
                         pad_token_id=0, **spec)
-    if shape in CHECKPOINT_FREE:
+    if shape in CHECKPOINT_FREE:  # what save_pretrained of a model would record: pagednb picks its decoder by it
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
         config.save_pretrained(path)
         _save_tokenizer(config.vocab_size, path)
         return path

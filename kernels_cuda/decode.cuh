@@ -93,7 +93,7 @@ struct RowCfg {
   static constexpr int smem(bool pipe) { return pipe && RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES; }
 };
 
-template <typename T, int D, int GMAX, bool PIPE>
+template <typename T, int D, int GMAX, bool PIPE, bool CAP = false>  // CAP: Gemma 2's soft-capping
 __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   using C = RowCfg<T, D, GMAX>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U, S = C::S;
@@ -221,8 +221,15 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
           for (int e = 0; e < VEC; ++e) d = fmaf(qf[g][v][e], kf[v][e], d);
 #pragma unroll
         for (int o = TPR / 2; o >= 1; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        sc[u][g] = valid[u] ? soft_cap(d, p.softcap_log2) : -INFINITY;  // q carries scale * log2(e)
+        sc[u][g] = valid[u] ? d : -INFINITY;  // q carries scale * log2(e)
       }
+    }
+    if constexpr (CAP) {  // its own instantiation: no other model evaluates tanh per score or pays registers
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g)
+          if (valid[u]) sc[u][g] = soft_cap(sc[u][g], p.softcap_log2);
     }
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
@@ -327,20 +334,26 @@ __global__ void row_reduce_kernel(const AttnParams p, int D) {
 template <typename T>
 constexpr bool pipe_ok() { return sizeof(T) == 2; }
 
-template <typename T, int D, int GMAX, bool PIPE>
-int launch_row_kernel(const AttnParams& p, cudaStream_t st) {
+template <typename T, int D, int GMAX, bool PIPE, bool CAP>
+int launch_row_variant(const AttnParams& p, cudaStream_t st) {
   using C = RowCfg<T, D, GMAX>;
   constexpr int smem = C::smem(PIPE);
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, D, GMAX, PIPE>,
+    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, D, GMAX, PIPE, CAP>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
   const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
-  row_attn_kernel<T, D, GMAX, PIPE><<<grid, C::NT, smem, st>>>(p);
+  row_attn_kernel<T, D, GMAX, PIPE, CAP><<<grid, C::NT, smem, st>>>(p);
   return (int)cudaGetLastError();
+}
+
+template <typename T, int D, int GMAX, bool PIPE>
+int launch_row_kernel(const AttnParams& p, cudaStream_t st) {
+  return p.softcap_log2 > 0.f ? launch_row_variant<T, D, GMAX, PIPE, true>(p, st)
+                              : launch_row_variant<T, D, GMAX, PIPE, false>(p, st);
 }
 
 template <typename T, int D, int GMAX>

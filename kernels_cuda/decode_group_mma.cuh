@@ -41,7 +41,7 @@ struct GroupMmaCfg {
   static_assert((BN * CPR) % 32 == 0, "copy shape");
 };
 
-template <typename T, int D>
+template <typename T, int D, bool CAP = false>  // CAP: Gemma 2's soft-capping
 __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams p) {
   using C = GroupMmaCfg<D>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL;
@@ -137,8 +137,15 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = t0 + nt * 8 + 2 * quad + (e & 1);
-        sc[nt][e] = t < t_end ? soft_cap(sc[nt][e] * sl2, p.softcap_log2) : -INFINITY;
+        sc[nt][e] = t < t_end ? sc[nt][e] * sl2 : -INFINITY;
       }
+    if constexpr (CAP) {  // its own instantiation: no other model evaluates tanh per score or pays registers
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (t0 + nt * 8 + 2 * quad + (e & 1) < t_end) sc[nt][e] = soft_cap(sc[nt][e], p.softcap_log2);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // h = 0: row lane / 4 (elements 0, 1); h = 1: row + 8 (elements 2, 3)
       float mx = fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1]));
@@ -201,9 +208,9 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 }
 
 // Allows the kernel its dynamic shared memory (over the 48 KiB default); once per instantiation.
-template <typename T, int D>
+template <typename T, int D, bool CAP>
 cudaError_t configure_group_mma() {
-  static const cudaError_t e = cudaFuncSetAttribute(group_mma_decode_kernel<T, D>,
+  static const cudaError_t e = cudaFuncSetAttribute(group_mma_decode_kernel<T, D, CAP>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, GroupMmaCfg<D>::SMEM);
   return e;
 }
@@ -211,9 +218,15 @@ cudaError_t configure_group_mma() {
 template <typename T, int D>
 int launch_group_mma(const AttnParams& p, cudaStream_t st) {
   using C = GroupMmaCfg<D>;
-  if (const cudaError_t e = configure_group_mma<T, D>(); e != cudaSuccess) return (int)e;
+  const bool cap = p.softcap_log2 > 0.f;
+  if (const cudaError_t e = cap ? configure_group_mma<T, D, true>() : configure_group_mma<T, D, false>();
+      e != cudaSuccess)
+    return (int)e;
   const dim3 grid(p.num_rows, p.Hkv, p.P);
-  group_mma_decode_kernel<T, D><<<grid, C::NT, C::SMEM, st>>>(p);
+  if (cap)
+    group_mma_decode_kernel<T, D, true><<<grid, C::NT, C::SMEM, st>>>(p);
+  else
+    group_mma_decode_kernel<T, D, false><<<grid, C::NT, C::SMEM, st>>>(p);
   int e = (int)cudaGetLastError();
   if (e != 0) return e;
   if (p.P > 1) row_reduce_kernel<T><<<dim3(p.num_rows, p.H), D, 0, st>>>(p, D);
@@ -222,7 +235,7 @@ int launch_group_mma(const AttnParams& p, cudaStream_t st) {
 
 template <typename T, int D>
 int occupancy_group_mma_t() {
-  if (configure_group_mma<T, D>() != cudaSuccess) return 1;
+  if (configure_group_mma<T, D, false>() != cudaSuccess) return 1;
   int n = 0;
   const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, group_mma_decode_kernel<T, D>, 128,
                                                                       GroupMmaCfg<D>::SMEM);
