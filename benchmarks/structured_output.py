@@ -4,10 +4,9 @@ Four runs of the same 64 requests (32-token random prompts, 128 output tokens, g
 - plain: no grammar (asynchronous scheduling, the default on a GPU);
 - plain, synchronous: no grammar, async scheduling off;
 - json schema: every request has a JSON schema (an object with one free string), asynchronous: step N+1's
-  forward is launched, then step N's tokens are fed to the matchers, N+1's bitmask is filled on the
-  grammar thread (one xgrammar call, without the GIL) while the engine thread builds N's outputs, and
-  N+1's sampling is queued behind the forward with the bitmask applied to the bf16 logits
-  (engine/structured_output.py);
+  forward is launched, then step N's tokens are fed to the matchers, N+1's bitmask is filled on the host
+  (xgrammar's batched, threaded fill) while that forward runs, and N+1's sampling is queued behind it
+  with the bitmask applied to the bf16 logits (engine/structured_output.py);
 - json schema, synchronous: the same with async scheduling off (what the pipelining buys).
 The figure is the generate call's wall time over its engine steps (one prefill step, the rest decode at
 64 rows: output tokens / 64 says whether rows ended early); the table shows the added fraction over each
@@ -79,12 +78,9 @@ def run(model_dir: Path, structured: bool, async_scheduling: bool | None, args) 
 
 def host_grammar_work(model_dir: Path, batch: int, repeats: int = 20) -> dict:
     """Milliseconds of host work per step for `batch` matchers inside the schema's string (the state the
-    timed runs sit in): filling their bitmask rows one matcher at a time (issue 16's first version), with
-    GrammarCache.fill_bitmask (one xgrammar call on one thread, used), with xgrammar's own threads ("auto",
-    issue 16's second version), and what the engine thread still pays for a fill on the grammar thread
-    (GrammarCache.start_filling) beside ~1 ms of its own Python: the hand-offs, or all of it if xgrammar
-    held the GIL; accepting a token one call per matcher (used) and with xgrammar's batch_accept_token
-    (not used: slower on the CPU here)."""
+    timed runs sit in): filling their bitmask rows one matcher at a time (issue 16's first version) and
+    with GrammarCache.fill_bitmask (xgrammar's batched, threaded fill, used now); accepting a token one
+    call per matcher (used) and with xgrammar's batch_accept_token (not used: slower on the CPU here)."""
     import json
 
     import xgrammar as xgr
@@ -113,25 +109,12 @@ def host_grammar_work(model_dir: Path, batch: int, repeats: int = 20) -> dict:
             rounds.append((time.perf_counter() - t0) / repeats * 1e3)
         return min(rounds)
 
-    def engine_work() -> int:
-        """~1 ms of pure Python, standing in for the engine thread's output building."""
-        return sum(i % 7 for i in range(30_000))
-
-    def beside_engine_work() -> None:
-        filling = cache.start_filling(bitmask, states, rows)
-        engine_work()
-        filling.result()
-
     matchers = [state.matcher for state in states]
-    threaded = xgr.BatchGrammarMatcher("auto")
     one_by_one_accept = per_step_ms(lambda: [state.accept(letter) for state in states])
     batched_accept = per_step_ms(lambda: xgr.BatchGrammarMatcher.batch_accept_token(matchers, [letter] * batch))
     return {"fill_one_by_one_ms": per_step_ms(lambda: [s.matcher.fill_next_token_bitmask(bitmask, i)
                                                        for i, s in enumerate(states)]),
             "fill_batched_ms": per_step_ms(lambda: cache.fill_bitmask(bitmask, states, rows)),
-            "fill_xgrammar_threads_ms": per_step_ms(lambda: threaded.batch_fill_next_token_bitmask(matchers, bitmask,
-                                                                                                    rows)),
-            "fill_on_grammar_thread_ms": per_step_ms(beside_engine_work) - per_step_ms(engine_work),
             "accept_one_by_one_ms": one_by_one_accept, "accept_batched_ms": batched_accept}
 
 

@@ -6,7 +6,6 @@ import json
 import re
 import string
 import sys
-import threading
 
 import pytest
 import torch
@@ -315,34 +314,11 @@ def _mixed_batch():
     return prompts, params
 
 
-class _RecordingBatchMatcher:
-    """Stands in for GrammarCache's xgrammar batch matcher: records which thread each fill ran on, and
-    raises instead of filling while `fail` is set."""
-
-    def __init__(self, batch):
-        self.batch, self.threads, self.fail = batch, [], False
-
-    def batch_fill_next_token_bitmask(self, matchers, bitmask, rows):
-        self.threads.append(threading.current_thread().name)
-        if self.fail:
-            raise RuntimeError("injected grammar fill failure")
-        self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-
-
-def _recording_fills(llm) -> _RecordingBatchMatcher:
-    llm.llm_engine.make_request(None, "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
-    cache = llm.llm_engine.logits_processors.grammars  # (built by the request above)
-    cache._batch = _RecordingBatchMatcher(cache._batch)
-    return cache._batch
-
-
 def _run_stepwise(llm, prompts, params):
     """Adds the requests one step apart (joining while others decode, a step in flight) and steps to the
-    end; returns {request id: final CompletionOutput}, how many samplings waited for their matchers and
-    the threads the bitmask fills ran on."""
+    end; returns {request id: final CompletionOutput} and how many samplings waited for their matchers."""
     engine, deferred = llm.llm_engine, []
     launch = engine.runner.launch
-    fills = _recording_fills(llm)
 
     def counting_launch(sched, defer_sampling=False):
         deferred.append(defer_sampling)
@@ -358,7 +334,7 @@ def _run_stepwise(llm, prompts, params):
     finally:
         engine.runner.launch = launch
     engine.check_integrity()
-    return finals, sum(deferred), fills.threads
+    return finals, sum(deferred)
 
 
 def _completion(c):
@@ -368,8 +344,7 @@ def _completion(c):
 def test_asynchronous_grammar_steps_equal_synchronous_ones_token_for_token():
     """With asynchronous scheduling the step after a grammar row's token launches its forward first and
     samples once the matcher took the token: outputs identical to the synchronous engine's, every JSON
-    output valid, and the steps did overlap (samplings deferred, no synchronous fallback; the deferred
-    steps' bitmasks filled on the grammar thread while the engine thread built outputs)."""
+    output valid, and the steps did overlap (samplings deferred, no synchronous fallback)."""
     prompts, params = _mixed_batch()
     runs = {}
     for async_scheduling in (False, True):
@@ -378,48 +353,14 @@ def test_asynchronous_grammar_steps_equal_synchronous_ones_token_for_token():
             assert not llm.llm_engine.needs_sync
             assert not llm.llm_engine.logits_processors.has_grammars  # finished requests forgotten
             assert llm.stats()["used_blocks"] == 0
-    (sync, sync_deferred, sync_fills), (overlapped, deferred, fills) = runs[False], runs[True]
+    (sync, sync_deferred), (overlapped, deferred) = runs[False], runs[True]
     assert sync_deferred == 0 and deferred > 10
-    engine_thread = threading.current_thread().name
-    assert sync_fills and set(sync_fills) == {engine_thread}
-    on_thread = [name for name in fills if name.startswith("pagednb-grammar")]
-    assert len(on_thread) >= deferred - 1 and len(fills) - len(on_thread) <= len(params)  # the first steps: inline
     assert {k: _completion(c) for k, c in overlapped.items()} == {k: _completion(c) for k, c in sync.items()}
     for i, p in enumerate(params):
         spec = p.structured_outputs
         if spec is not None and spec.json is not None:
             assert overlapped[f"r{i}"].finish_reason == "stop", overlapped[f"r{i}"].text
             jsonschema.validate(json.loads(overlapped[f"r{i}"].text), OBJECT_SCHEMA)
-
-
-def test_a_failed_fill_on_the_grammar_thread_ends_that_step_alone():
-    """An error in the grammar thread's fill reaches the engine thread when the deferred step samples: that
-    step's requests end with "error", the engine goes on serving the next requests."""
-    prompts, params = _mixed_batch()
-    with LLM(async_scheduling=True) as llm:
-        engine = llm.llm_engine
-        fills = _recording_fills(llm)
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            engine.add_request(f"r{i}", prompt, p)
-        engine.step()
-        engine.step()
-        launched = []
-        launch = engine.runner.launch
-        engine.runner.launch = lambda sched, defer=False: launched.append(sched) or launch(sched, defer)
-        fills.fail = True
-        outputs = engine.step()
-        fills.fail, engine.runner.launch = False, launch
-        assert fills.threads[-1].startswith("pagednb-grammar")
-        ended = {o.request_id: o.outputs[0].finish_reason for o in outputs if o.finished}
-        step_ids = {s.request.request_id for s in launched[0].scheduled}
-        assert step_ids <= set(ended)  # "error", or a token of the step before it already ended it
-        assert [k for k, reason in ended.items() if reason == "error"] and set(ended) <= step_ids
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.check_integrity()
-        finals = llm.generate(prompts[:2], params[:2], use_tqdm=False)
-        assert [o.outputs[0].finish_reason for o in finals] == ["stop", "length"]
-        assert llm.stats()["used_blocks"] == 0
 
 
 def test_invalid_grammar_refused_at_add_time_while_others_keep_running():

@@ -5,9 +5,8 @@ pending aborts -> scheduler -> model runner (forward + sampler) -> scheduler (ap
 token-level stops) -> grammar matchers (structured output: a finished grammar stops its request) ->
 output processor (logprobs, detokenize, stop strings) -> outputs. The one way back is a stop string:
 the output processor finds it in the text, `_finish_stopped` ends the request in the scheduler before
-its output is built. Everything here is synchronous and single-threaded (but for the grammar thread's
-bitmask fill, engine/structured_output.py) except `abort_request`, which may be called from any thread
-and takes effect at the next step boundary.
+its output is built. Everything here is synchronous and single-threaded
+except `abort_request`, which may be called from any thread and takes effect at the next step boundary.
 """
 from __future__ import annotations
 
@@ -260,19 +259,11 @@ class LLMEngine:
     def _process(self, sched, token_ids: list[int], sampler_output) -> list[RequestOutput]:
         progressed = self.scheduler.update_from_output(sched, token_ids)
         self._advance_grammars(progressed)
-        self._start_deferred_bitmask()
         self.num_steps += 1
         self.num_generated_tokens += len(progressed)
         self.num_computed_tokens += sched.num_scheduled_tokens
         self.output_processor.record_logprobs(progressed, sampler_output, sched)
         return self.output_processor.process(self._with_failed_siblings(progressed), self._finish_stopped)
-
-    def _start_deferred_bitmask(self) -> None:
-        """With this step's tokens in the matchers, the grammar thread fills the bitmask of the step launched
-        after it (its sampling deferred) while this thread builds this step's outputs; _sample_deferred
-        takes it (engine/structured_output.py)."""
-        if self._in_flight and self._in_flight[-1][1].pending is not None:
-            self.logits_processors.start_grammar_bitmask(self._in_flight[-1][1].pending.sampled_reqs, self.device)
 
     def _advance_grammars(self, progressed: list[Request]) -> None:
         """Feeds structured-output matchers their new tokens: a rejected token ends that request alone with

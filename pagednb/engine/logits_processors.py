@@ -7,8 +7,8 @@ Three stages, each where its data is:
 - each step, on the host while the device runs the forward: `build` gives one `LogitsAdjustments` of
   flat positions and values for the sampled rows (None when no row uses any, so the sampler's plain
   paths stay as they are); `grammar_bitmask` fills the grammar rows, right before the step's sampling
-  (with asynchronous scheduling `start_grammar_bitmask` has started that fill on the grammar thread once
-  the previous step's tokens reached the matchers: see engine/structured_output.py).
+  (which, with asynchronous scheduling, waits until the previous step's tokens reached the matchers:
+  see engine/structured_output.py).
 - on the device, in the sampler: the grammar bitmask first (a masked copy in the model's dtype), then
   `apply_logits_adjustments` (float32): allowed ids, bad words, bias, in vLLM's order (all before
   penalties; logprobs stay those of the raw logits, vLLM's default).
@@ -22,7 +22,6 @@ like penalties it needs each token on the host before the next step (Request.nee
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +64,6 @@ class LogitsProcessors:
         self._structured: dict[str, Request] = {}
         self._pinned: torch.Tensor | None = None  # host bitmask, reused once its last copy is done
         self._copied: torch.cuda.Event | None = None  # recorded after the pinned bitmask's last copy
-        self._started: tuple[list[Request], torch.Tensor, Future] | None = None  # start_grammar_bitmask's fill
 
     # ---- add time -----------------------------------------------------------------------------------
     def prepare(self, req: Request) -> None:
@@ -149,54 +147,22 @@ class LogitsProcessors:
             bias_values=floats(bias_val) if bias_pos else None,
         )
 
-    def start_grammar_bitmask(self, reqs: list[Request], device: torch.device) -> None:
-        """Starts filling the bitmask of the step whose sampled rows are `reqs` on the grammar thread, for
-        grammar_bitmask(reqs) to take: the engine calls this once the previous step's tokens reached the
-        matchers, then builds that step's outputs meanwhile (engine/structured_output.py). A request that
-        ends meanwhile keeps its row; its token is dropped anyway."""
-        self._wait_started()
-        rows = self._grammar_rows(reqs)
-        if rows:
-            bitmask = self._host_bitmask(len(reqs), device)
-            states = [reqs[i].logits_state.structured for i in rows]
-            self._started = (reqs, bitmask, self.grammars.start_filling(bitmask, states, rows))
-
     def grammar_bitmask(self, reqs: list[Request], device: torch.device) -> torch.Tensor | None:
         """[len(reqs), ceil(V / 32)] int32 on device: row i = what reqs[i]'s grammar allows next, all
         allowed for rows without one (or whose request ended since the step was scheduled: its token is
         dropped anyway); None when no row has a live grammar. Filled on the host in pinned memory on a
-        GPU, so the copy does not wait for the forward that is running; taken from start_grammar_bitmask
-        when it was called for these rows."""
-        if self._started is not None and self._started[0] is reqs:
-            _, bitmask, filling = self._started
-            self._started = None
-            filling.result()
-        else:
-            self._wait_started()
-            rows = self._grammar_rows(reqs)
-            if not rows:
-                return None
-            bitmask = self._host_bitmask(len(reqs), device)
-            self.grammars.fill_bitmask(bitmask, [reqs[i].logits_state.structured for i in rows], rows)
+        GPU, so the copy does not wait for the forward that is running."""
+        rows = [i for i, req in enumerate(reqs) if req.logits_state is not None and not req.is_finished
+                and req.logits_state.structured is not None and not req.logits_state.structured.is_terminated]
+        if not rows:
+            return None
+        bitmask = self._host_bitmask(len(reqs), device)
+        self.grammars.fill_bitmask(bitmask, [reqs[i].logits_state.structured for i in rows], rows)
         if device.type != "cuda":
             return bitmask
         on_device = bitmask.to(device, non_blocking=True)
         self._copied.record()
         return on_device
-
-    @staticmethod
-    def _grammar_rows(reqs: list[Request]) -> list[int]:
-        """The rows whose request is running with a grammar that has not terminated."""
-        return [i for i, req in enumerate(reqs) if req.logits_state is not None and not req.is_finished
-                and req.logits_state.structured is not None and not req.logits_state.structured.is_terminated]
-
-    def _wait_started(self) -> None:
-        """Waits for a fill started for a step that never sampled (its launch failed), before its buffer is
-        reused; its error, if any, belonged to that step."""
-        if self._started is not None:
-            _, _, filling = self._started
-            self._started = None
-            filling.exception()
 
     def _host_bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """Host rows to fill: pinned and reused on a GPU (after its previous copy is done; one step

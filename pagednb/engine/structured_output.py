@@ -11,17 +11,10 @@ xgrammar (the grammar engine vLLM and SGLang use) does the grammar work; this mo
 
 The step, pipelined with asynchronous scheduling: a matcher needs step N's token before it can fill
 its row of step N+1's bitmask, but that bitmask is only needed by N+1's *sampler*, after its forward.
-So the engine launches N+1's forward first, then takes N's tokens and feeds them to the matchers; N+1's
-rows are filled in pinned memory (one xgrammar call for the batch) on the grammar thread
-(`GrammarCache.start_filling`) while the engine thread builds N's outputs; then N+1's sampling is queued
-behind the forward that is still running (LLMEngine._sample_deferred). Structured requests keep
-asynchronous scheduling on.
-
-Why a thread: at batch 64 the step is host-bound (the GPU waits for the host, benchmarks/NOTES.md), so
-grammar work on the engine thread lands on the step whole. xgrammar releases the GIL while it fills, so
-the fill runs beside the engine thread's Python. The hand-off waits until the grammar thread is inside
-xgrammar: a thread woken while another runs Python gets the GIL only after the interpreter's switch
-interval (5 ms), long after the step it was meant to overlap.
+So the engine launches N+1's forward first, then takes N's tokens, feeds them to the matchers, fills
+N+1's rows (xgrammar's batched C++ fill, `GrammarCache.fill_bitmask`) in pinned memory, and only then
+queues N+1's sampling behind the forward that is still running (LLMEngine._sample_deferred). The host's
+grammar work hides under the forward, and structured requests keep asynchronous scheduling on.
 
 On the device the bitmask becomes a masked copy of the logits in the model's dtype
 (`mask_disallowed`): no float32 copy just for the mask, and greedy rows take their argmax from it.
@@ -31,9 +24,6 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -87,11 +77,8 @@ class GrammarCache:
         self.capacity = capacity
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self.num_compiled = 0  # compilations done (cache misses); tests read it
-        # One C++ call fills the step's rows, on one thread: it already runs beside the engine thread, and
-        # xgrammar's own threads measured slower at batch 64 (benchmarks/NOTES.md, issue 16)
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        # the grammar thread; it ends when the cache is collected (ThreadPoolExecutor's own rule)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagednb-grammar")
+        # xgrammar's threaded fill ("auto": half the host's cores); one pool for the engine's lifetime
+        self._batch = xgr.BatchGrammarMatcher("auto")
 
     def new_state(self, params: StructuredOutputsParams) -> StructuredState:
         """A fresh matcher for `params`; a spec that does not compile raises ValueError naming its field."""
@@ -131,36 +118,13 @@ class GrammarCache:
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def fill_bitmask(self, bitmask: torch.Tensor, states: list[StructuredState], rows: list[int]) -> None:
-        """bitmask[rows[i]] = what states[i] allows next, every other row all-allowed; one xgrammar call
-        instead of one Python call per matcher."""
-        self._fill(bitmask, states, rows)()
-
-    def start_filling(self, bitmask: torch.Tensor, states: list[StructuredState], rows: list[int]) -> Future:
-        """fill_bitmask on the grammar thread; returns once it runs there (without the GIL). The Future's
-        result() waits for it and re-raises its error; until then nothing may touch bitmask or the matchers."""
-        return _run_inside(self._thread, self._fill(bitmask, states, rows))
-
-    def _fill(self, bitmask: torch.Tensor, states: list[StructuredState], rows: list[int]) -> Callable[[], None]:
-        """Sets the rows without a grammar all-allowed now; returns the xgrammar call that fills the others."""
+        """bitmask[rows[i]] = what states[i] allows next, every other row all-allowed; one batched,
+        threaded xgrammar call instead of one Python call per matcher."""
         if len(rows) < bitmask.shape[0]:
             plain = torch.ones(bitmask.shape[0], dtype=torch.bool)
             plain[rows] = False
             bitmask[plain] = _ALL_ALLOWED
-        return functools.partial(self._batch.batch_fill_next_token_bitmask, [s.matcher for s in states], bitmask,
-                                 rows)
-
-
-def _run_inside(thread: ThreadPoolExecutor, fill: Callable[[], None]) -> Future:
-    """Submits fill to thread and returns once the thread has started it (see the module docstring)."""
-    started = threading.Event()
-
-    def run() -> None:
-        started.set()
-        fill()
-
-    future = thread.submit(run)
-    started.wait()
-    return future
+        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
 
 
 def mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
