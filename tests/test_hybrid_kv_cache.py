@@ -141,7 +141,7 @@ def test_the_pool_holds_more_long_requests_than_the_uniform_layout(case, tiny_mo
     plans = {}
     for name, p in (("hybrid", path), ("uniform", uniform_path)):
         with LLM(str(p), dtype="float32", block_size=BLOCK, kv_cache_memory=memory, max_model_len=max_len,
-                 max_num_batched_tokens=16) as llm:
+                 max_num_batched_tokens=16, device="cpu") as llm:  # kv_cache_memory sizes a CPU pool
             plan, runner = llm.engine.pool_plan, llm.engine.runner
             assert sum(t.nbytes for t in runner.kv_cache_tensors) == plan.num_blocks * runner.block_bytes() <= memory
             plans[name] = plan

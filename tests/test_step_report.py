@@ -27,7 +27,8 @@ def make_llm(tiny_model_dir):
     made = []
 
     def make(**options):
-        options = {"num_kv_blocks": 64, "max_model_len": 128, "block_size": BS, **options}
+        # on the CPU: these specify synchronous steps (a GPU's asynchronous ones are test_gpu_... below)
+        options = {"device": "cpu", "num_kv_blocks": 64, "max_model_len": 128, "block_size": BS, **options}
         made.append(LLM(str(tiny_model_dir("llama")), **options))
         return made[-1]
 
@@ -188,6 +189,7 @@ async def _collect(stream, outs):
 
 # ---- the widget's Python side (the browser side: tests/test_browser_debugger.py) -------------------
 def test_step_view_buttons_drive_the_engine_and_draw_each_report(make_llm):
+    pytest.importorskip("anywidget", reason="the notebook extra (pagednb[notebook]) is not installed")
     from pagednb.notebook import step_view
 
     llm = make_llm()

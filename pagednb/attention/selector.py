@@ -2,10 +2,14 @@
 
 "auto": on a CUDA device, pagednb's own kernels (compiled on first use, cached on disk); when they
 cannot be built (no nvcc, a failed build) the pure-torch reference, with one warning saying why. On a
-CPU, the reference. "torch_ref" forces the reference anywhere; "cuda" forces the kernels and raises
+CPU, the reference. A model that soft-caps its attention scores (Gemma 2) also gets the reference on a GPU:
+the kernels compute the cap and match the reference kernel by kernel, but the engine's greedy outputs with
+them have not yet matched HF's on the H200 (issue 15), and a wrong answer is worse than a slow one. "torch_ref" forces the reference anywhere; "cuda" forces the kernels and raises
 if they are unavailable.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -15,11 +19,17 @@ from pagednb.attention.torch_ref import TorchReferenceBackend
 BACKENDS = ("auto", "torch_ref", "cuda")
 
 
-def select_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+def select_attention_backend(device: torch.device, name: str = "auto",
+                             attention_softcap: bool = False) -> AttentionBackend:
     """"auto": the fastest backend that works on `device`; a name forces that backend."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     device = torch.device(device)
+    if name == "auto" and device.type == "cuda" and attention_softcap:
+        warnings.warn("pagednb: attention soft-capping (Gemma 2) runs on the pure-torch attention backend; "
+                      "pagednb's CUDA kernels for it are not yet verified end to end (attention_backend='cuda' "
+                      "forces them)", RuntimeWarning, stacklevel=3)
+        return TorchReferenceBackend()
     if name == "torch_ref" or (name == "auto" and device.type != "cuda"):
         return TorchReferenceBackend()
     if name == "cuda" and device.type != "cuda":

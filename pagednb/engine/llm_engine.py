@@ -35,6 +35,7 @@ from pagednb.engine.scheduler import Scheduler
 from pagednb.engine.sleep import SLEEP_LEVELS, SleepingWeights, put_to_sleep, wake
 from pagednb.engine.step_report import StepRecorder
 from pagednb.model import load_hf_config, load_model, load_tokenizer, model_spec, resolve_model_path
+from pagednb.model.registry import uses_attention_softcap
 from pagednb.model.spec import check_start_up_memory
 from pagednb.outputs import RequestOutput
 from pagednb.request import Request, RequestStatus
@@ -61,7 +62,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         t0 = time.perf_counter()
-        self.attention_backend = select_attention_backend(self.device, config.attention_backend)
+        self.attention_backend = select_attention_backend(self.device, config.attention_backend,
+                                                          uses_attention_softcap(self.spec, hf_config))
         model = load_model(self.model_path, hf_config, self.spec, self.dtype, self.device, self.attention_backend,
                            config.load_format)
         logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
