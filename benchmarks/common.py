@@ -6,6 +6,7 @@ import datetime
 import json
 import platform
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,33 @@ def capture_graph(calls) -> torch.cuda.CUDAGraph:
         for f in calls:
             f()
     return graph
+
+
+def time_ms(fns, reps: int, graph: bool = True) -> float:
+    """Median ms of one call, over CUDA-graph replays of fns (rotating); graph=False: eager calls."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    calls = []
+    try:
+        if not graph:
+            raise RuntimeError("eager timing asked for")
+        calls = [capture_graph([f]).replay for f in fns]
+    except Exception as exc:  # noqa: BLE001
+        if graph:
+            print(f"  (graph capture failed: {exc!r}; timing eager calls)")
+        calls = list(fns)
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    n = reps * len(calls)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    events[0].record()
+    for i in range(n):
+        calls[i % len(calls)]()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(n))
 
 
 def print_table(headers: list[str], rows: list[list]) -> None:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # pagednb from this checkout
 
-from common import capture_graph, print_table, save  # noqa: E402
+from common import print_table, save, time_ms  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -36,33 +35,6 @@ from pagednb.attention import AttentionMetadata  # noqa: E402
 H, HKV, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
 L2_BYTES = 60 << 20
-
-
-def time_ms(fns, reps: int, graph: bool = True) -> float:
-    """Median ms of one call, over CUDA-graph replays of fns (rotating); graph=False: eager calls."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    calls = []
-    try:
-        if not graph:
-            raise RuntimeError("eager timing asked for")
-        calls = [capture_graph([f]).replay for f in fns]
-    except Exception as exc:  # noqa: BLE001
-        if graph:
-            print(f"  (graph capture failed: {exc!r}; timing eager calls)")
-        calls = list(fns)
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    n = reps * len(calls)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    events[0].record()
-    for i in range(n):
-        calls[i % len(calls)]()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(n))
 
 
 def sets_for(nbytes: int) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # pagednb from this checkout
 
-from common import capture_graph, print_table, save  # noqa: E402
+from common import print_table, save, time_ms  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -38,27 +38,10 @@ TOKENS = (1, 16, 256, 2048)
 ROUTINGS = 4
 
 
-def replay_ms(calls, reps: int, graph: bool = True) -> float:
-    """Median ms of one call, rotating over calls (CUDA-graph replays unless graph=False)."""
-    if graph:
-        calls = [capture_graph([c]).replay for c in calls]
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    n = reps * len(calls)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    events[0].record()
-    for i in range(n):
-        calls[i % len(calls)]()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(n))
-
-
 def copy_gbps(reps: int) -> float:
     src = torch.empty(1 << 30, dtype=DT, device="cuda")
     dst = torch.empty_like(src)
-    ms = replay_ms([lambda: dst.copy_(src)], reps)
+    ms = time_ms([lambda: dst.copy_(src)], reps)
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
@@ -66,13 +49,13 @@ def bench_tokens(T: int, w13, w2, gbps: float, reps: int, gen) -> dict:
     hidden = torch.randn(T, HIDDEN, generator=gen, device="cuda").to(DT)
     routings = [select_experts(torch.randn(T, EXPERTS, generator=gen, device="cuda").to(DT), TOP_K, True, True)
                 for _ in range(ROUTINGS)]
-    fused_ms = replay_ms([lambda r=r: fused_moe(hidden, w13, w2, *r) for r in routings], reps)
-    ref_ms = replay_ms([lambda r=r: fused_moe_reference(hidden, w13, w2, *r) for r in routings],
+    fused_ms = time_ms([lambda r=r: fused_moe(hidden, w13, w2, *r) for r in routings], reps)
+    ref_ms = time_ms([lambda r=r: fused_moe_reference(hidden, w13, w2, *r) for r in routings],
                        max(3, reps // 10), graph=False)
     dense_mid = torch.randn(T, TOP_K * INTER, generator=gen, device="cuda").to(DT)
     dense = [(torch.randn(TOP_K * 2 * INTER, HIDDEN, generator=gen, device="cuda").to(DT),
               torch.randn(HIDDEN, TOP_K * INTER, generator=gen, device="cuda").to(DT)) for _ in range(ROUTINGS)]
-    dense_ms = replay_ms([lambda up=up, down=down: (F.linear(hidden, up), F.linear(dense_mid, down))
+    dense_ms = time_ms([lambda up=up, down=down: (F.linear(hidden, up), F.linear(dense_mid, down))
                           for up, down in dense], reps)  # 4 weight sets (38 MB each): not served from L2
     touched = statistics.mean(len(torch.unique(ids)) for _, ids in routings)
     weight_bytes = touched * 3 * HIDDEN * INTER * 2

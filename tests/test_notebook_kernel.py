@@ -12,6 +12,8 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
+from kernel_support import run_cell
+
 IPYKERNEL6_PYTHONPATH = os.environ.get("PAGEDNB_IPYKERNEL6_PATH")  # a folder holding ipykernel 6.x
 
 # Steps of a known length: each model step sleeps 10 ms, so a 480-token stream lasts several seconds.
@@ -28,18 +30,6 @@ SETUP = textwrap.dedent("""
 """)
 
 
-def run_cell(client, code, timeout=120):
-    outputs = []
-
-    def hook(msg):
-        if msg["msg_type"] == "stream":
-            outputs.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            outputs.append("ERROR: " + "\n".join(msg["content"]["traceback"]))
-    reply = client.execute_interactive(code, timeout=timeout, output_hook=hook)
-    text = "".join(outputs)
-    assert reply["content"]["status"] == "ok", text
-    return text
 
 
 @pytest.fixture

@@ -23,6 +23,8 @@ from pagednb import LLM, SamplingParams
 from pagednb.chat_template import apply_chat_template
 from pagednb.serving import app as serving_app
 
+from kernel_support import run_cell
+
 pytestmark = pytest.mark.usefixtures("pool_checked_after_each_test")
 
 PROMPT = "Once upon a time"
@@ -383,19 +385,6 @@ def test_pagednb_serve_command(llm):
 
 
 # ---- inside a real Jupyter kernel ------------------------------------------------------------------
-def run_cell(client, code: str, timeout: int = 120) -> str:
-    outputs = []
-
-    def hook(msg):
-        if msg["msg_type"] == "stream":
-            outputs.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            outputs.append("ERROR: " + "\n".join(msg["content"]["traceback"]))
-    reply = client.execute_interactive(code, timeout=timeout, output_hook=hook)
-    assert reply["content"]["status"] == "ok", "".join(outputs)
-    return "".join(outputs)
-
-
 def test_in_a_kernel_the_server_and_a_cells_stream_share_the_engine():
     """Cell 1 serves; cell 2 sends a request with AsyncOpenAI and returns; cell 3 streams with llm.stream
     while that request is in flight on the same engine (same loop); both answers are the solo ones."""
