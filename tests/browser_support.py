@@ -2,6 +2,7 @@
 Debian Chromium driven by Playwright (never `playwright install`; the browser is the system's)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -136,6 +137,20 @@ class JupyterLab:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+@contextlib.contextmanager
+def running_lab(root: Path, state: Path, artifacts: Path):
+    """A started JupyterLab serving root; stopped afterwards, its log kept in artifacts (kept on failure)."""
+    server = JupyterLab(root, state)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        artifacts.mkdir(parents=True, exist_ok=True)
+        if server.log_path.exists():
+            shutil.copy(server.log_path, artifacts / "jupyterlab.log")
 
 
 def copy_notebooks(src: Path, dst: Path) -> Path:

@@ -18,11 +18,11 @@ import pytest
 import torch
 from gpu_support import CUDA, GPU_REASON
 from test_model_equivalence import ATOL, PagedCache, hf_logits, prompt, run
-from tiny import hf_greedy, make_tokenizer, tiny_config
+from tiny import EQUIVALENCE_PROMPTS as PROMPTS, hf_greedy, load_model_pair, make_tokenizer, tiny_config
 
 from pagednb import LLM, SamplingParams
 from pagednb.attention import TorchReferenceBackend
-from pagednb.model import build_model, load_hf_config, load_model, model_spec
+from pagednb.model import build_model, load_hf_config, model_spec
 
 HEAD_DIM = 16
 PHI3_PRETRAINED_LEN = 80  # the longest prompt has 72 tokens
@@ -48,15 +48,6 @@ ARCHITECTURES = {
 SLIDING = {"gemma2": 8, "gemma3": 8, "phi3": 16}  # the window of the sliding layers
 MAX_NEW = 24
 MAX_MODEL_LEN = 112  # the longest prompt and its tokens fit
-SHARED = "Paged attention stores the key value cache in fixed blocks of tokens. "
-PROMPTS = [
-    "Once upon a time there was a cat",
-    "The dog",
-    SHARED + "Continuous batching lets new requests join",
-    SHARED + "Unicode text: café",
-    SHARED * 2 + "Numbers 0 1 2",  # 72 tokens: 9 windows of 8
-    "x",
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -85,13 +76,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
 @pytest.fixture(scope="module")
 def models(checkpoint):
     """(pagednb model, HF model) of one checkpoint, float32 on the CPU."""
-    from transformers import AutoModelForCausalLM
-
-    _, path = checkpoint
-    cfg = load_hf_config(path)
-    ours = load_model(path, cfg, model_spec(cfg), torch.float32, torch.device("cpu"), TorchReferenceBackend())
-    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    return ours, theirs
+    return load_model_pair(checkpoint[1])
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ runs it on another folder's 06_chat.ipynb (for trying a notebook or widget chang
 """
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,8 +35,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from browser_support import (CHROMIUM, CHROMIUM_ARGS, REPO, JupyterLab, copy_notebooks,  # noqa: E402
-                             parse_used, wait_until)
+from browser_support import (CHROMIUM, CHROMIUM_ARGS, REPO, copy_notebooks, parse_used,  # noqa: E402
+                             running_lab, wait_until)
 
 try:
     from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
@@ -83,15 +82,8 @@ def lab(tmp_path_factory):
     src = Path(os.environ.get("PAGEDNB_BROWSER_NOTEBOOKS", REPO / "notebooks"))
     tmp = tmp_path_factory.mktemp("browser")
     root = copy_notebooks(src, tmp / "notebooks")
-    server = JupyterLab(root, tmp / "jupyter-state")
-    try:
-        server.start()
+    with running_lab(root, tmp / "jupyter-state", ARTIFACTS) as server:
         yield server
-    finally:
-        server.stop()
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        if server.log_path.exists():
-            shutil.copy(server.log_path, ARTIFACTS / "jupyterlab.log")
 
 
 @pytest.fixture

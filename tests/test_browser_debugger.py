@@ -14,7 +14,6 @@ Never `playwright install`: the browser is /usr/bin/chromium. Skipped only when 
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from browser_support import CHROMIUM, CHROMIUM_ARGS, REPO, JupyterLab, wait_until  # noqa: E402
+from browser_support import CHROMIUM, CHROMIUM_ARGS, REPO, running_lab, wait_until  # noqa: E402
 
 try:
     from playwright.sync_api import sync_playwright
@@ -72,15 +71,8 @@ def lab(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP)],
                                   metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
     nbformat.write(nb, root / "debugger.ipynb")
-    server = JupyterLab(root, tmp_path / "jupyter-state")
-    try:
-        server.start()
+    with running_lab(root, tmp_path / "jupyter-state", ARTIFACTS) as server:
         yield server
-    finally:
-        server.stop()
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        if server.log_path.exists():
-            shutil.copy(server.log_path, ARTIFACTS / "jupyterlab.log")
 
 
 @pytest.fixture

@@ -3,21 +3,12 @@ however the engine batches the work: mixed prompt lengths in one batch, a tiny t
 prefill), shared prefixes (prefix-cache hits), a pool so small it must preempt, prompts longer than
 Mistral's sliding window."""
 import pytest
-from tiny import hf_greedy
+from tiny import EQUIVALENCE_PROMPTS as PROMPTS, SHARED_PREFIX as SHARED, hf_greedy
 
 from pagednb import LLM, SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 MAX_NEW = 24
-SHARED = "Paged attention stores the key value cache in fixed blocks of tokens. "
-PROMPTS = [
-    "Once upon a time there was a cat",
-    "The dog",
-    SHARED + "Continuous batching lets new requests join",
-    SHARED + "Unicode text: café",
-    SHARED * 2 + "Numbers 0 1 2",
-    "x",
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 ORACLE_DTYPE = "float32"  # the oracle's (tiny.hf_greedy); "auto" would be bf16 on a GPU
 

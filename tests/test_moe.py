@@ -16,7 +16,7 @@ import pytest
 import torch
 from gpu_support import gpu
 from test_model_equivalence import ATOL, PagedCache, hf_logits, prompt, run
-from tiny import hf_greedy, make_tiny_model
+from tiny import EQUIVALENCE_PROMPTS as PROMPTS, hf_greedy, load_model_pair, make_tiny_model
 
 from pagednb import LLM, SamplingParams
 from pagednb.attention import TorchReferenceBackend
@@ -41,15 +41,6 @@ MODELS = {
                                         sliding_window=8)),
 }
 MAX_NEW = 24
-SHARED = "Paged attention stores the key value cache in fixed blocks of tokens. "
-PROMPTS = [
-    "Once upon a time there was a cat",
-    "The dog",
-    SHARED + "Continuous batching lets new requests join",
-    SHARED + "Unicode text: café",
-    SHARED * 2 + "Numbers 0 1 2",
-    "x",
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -62,13 +53,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
 @pytest.fixture(scope="module")
 def models(checkpoint):
     """(pagednb model, HF model) of one checkpoint, float32 on the CPU."""
-    from transformers import AutoModelForCausalLM
-
-    path = checkpoint[1]
-    cfg = load_hf_config(path)
-    ours = load_model(path, cfg, model_spec(cfg), torch.float32, torch.device("cpu"), TorchReferenceBackend())
-    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    return ours, theirs
+    return load_model_pair(checkpoint[1])
 
 
 @pytest.fixture(scope="module")

@@ -98,3 +98,29 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int, device: str =
                           pad_token_id=tok.pad_token_id)
         refs.append(out[0, ids.shape[1]:].tolist())
     return refs
+
+
+# The prompts every engine-vs-HF equivalence test runs: short and long ones, a shared prefix (prefix hits),
+# multi-byte text, and a prompt long enough to cross the tiny models' sliding windows (72 tokens).
+SHARED_PREFIX = "Paged attention stores the key value cache in fixed blocks of tokens. "
+EQUIVALENCE_PROMPTS = [
+    "Once upon a time there was a cat",
+    "The dog",
+    SHARED_PREFIX + "Continuous batching lets new requests join",
+    SHARED_PREFIX + "Unicode text: café",
+    SHARED_PREFIX * 2 + "Numbers 0 1 2",
+    "x",
+]
+
+
+def load_model_pair(path: Path):
+    """(pagednb model, HF model) of one checkpoint, float32 on the CPU, HF with its eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    from pagednb.attention.torch_ref import TorchReferenceBackend
+    from pagednb.model import load_hf_config, load_model, model_spec
+
+    cfg = load_hf_config(path)
+    ours = load_model(path, cfg, model_spec(cfg), torch.float32, torch.device("cpu"), TorchReferenceBackend())
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return ours, theirs
