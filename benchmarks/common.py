@@ -122,13 +122,13 @@ def recorded_steps(llm):
     steps: list[dict] = []
     cuda = torch.cuda.is_available()
 
-    def launch(sched):
+    def launch(sched, *args, **kwargs):
         info = {"rows": len(sched.scheduled), "tokens": sched.num_scheduled_tokens,
                 "decode": all(s.num_new_tokens == 1 for s in sched.scheduled), "t0": time.perf_counter()}
         if cuda:
             info["start"], info["end"] = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             info["start"].record()
-        launched = real_launch(sched)
+        launched = real_launch(sched, *args, **kwargs)
         if cuda:
             info["end"].record()
         launched.info = info

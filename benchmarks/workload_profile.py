@@ -1,0 +1,96 @@
+"""Where the standard workload's GPU time goes: every kernel of one whole run (torch.profiler, CUDA
+activity only, graph replays included) summed by category, next to the run's wall time and the
+bandwidth floor of its weight and KV reads. A diagnosis tool for the throughput work (benchmarks/NOTES.md),
+not a target: the profiler adds some host overhead, so the wall time here is not the headline figure.
+
+    python benchmarks/workload_profile.py --shape qwen3-0.6b [--kv-cache-dtype fp8]
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from common import print_table, save
+from shapes import SHAPES, make_model_dir, workload
+
+from pagednb import LLM, SamplingParams
+
+# first matching substring of a kernel's name decides its category
+CATEGORIES = [
+    ("attention (decode rows)", ("row_attn", "group_mma_decode", "row_reduce")),
+    ("attention (prefill)", ("prefill_attn", "prefill_kernel")),
+    ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "splitKreduce")),
+    ("GEMV", ("gemv",)),
+    ("norms", ("rms_norm",)),
+    ("q/k norm + rope + cache write", ("qk_norm_rope", "rope")),
+    ("activation", ("silu", "gelu")),
+    ("cache write", ("write_kv",)),
+    ("sampling", ("sample_", "argmax", "softmax", "cumsum", "sort", "topk")),
+    ("copies", ("Memcpy", "copy", "Memset")),
+]
+
+
+def category(name: str) -> str:
+    for label, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return label
+    return "other elementwise / torch"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default=None)
+    args = parser.parse_args()
+    prompts, outputs = workload(args.requests, SHAPES[args.shape]["vocab_size"])
+    options = {} if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype}
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(str(make_model_dir(args.shape, Path(tmp) / args.shape)), max_model_len=2048, max_num_seqs=256,
+                  max_num_batched_tokens=8192, **options)
+        params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outputs]
+        vocab = SHAPES[args.shape]["vocab_size"]
+        # each pass gets its own token ids, so no pass finds another's prompts in the prefix cache
+        shifted = [[[(t + k) % vocab for t in p] for p in prompts] for k in (1, 2)]
+        llm.generate(shifted[0], params, use_tqdm=False)  # warm (first-run costs, NOTES "session 4")
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        plain_wall = time.perf_counter() - t0
+        cuda = torch.cuda.is_available()  # a CPU run (the smoke shape) profiles CPU ops instead
+        activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            t0 = time.perf_counter()
+            llm.generate(shifted[1], params, use_tqdm=False)
+            torch.cuda.synchronize() if cuda else None
+            wall = time.perf_counter() - t0
+        steps = llm.stats()["steps"]
+        llm.close()
+    totals: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0:
+            continue
+        totals[category(e.key)] += us / 1e6
+        kernels[e.key] += us / 1e6
+    busy = sum(totals.values())
+    rows = [[k, v, v / wall * 100] for k, v in sorted(totals.items(), key=lambda kv: -kv[1])]
+    rows.append(["all kernels (GPU busy)", busy, busy / wall * 100])
+    rows.append(["idle (wall - busy)", wall - busy, (wall - busy) / wall * 100])
+    print(f"\n{args.shape}, {sum(outputs)} output tokens: wall {plain_wall:.3f} s without the profiler "
+          f"({sum(outputs) / plain_wall:,.0f} tok/s), {wall:.3f} s with it; {steps} engine steps in all runs")
+    print_table(["category", "GPU s", "% of profiled wall"], rows)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    print("\nTop kernels")
+    print_table(["kernel", "GPU s"], [[k[:90], v] for k, v in top])
+    save(f"workload_profile_{args.shape}" + (f"_{args.kv_cache_dtype}" if args.kv_cache_dtype else ""),
+         {"shape": args.shape, "wall_s_plain": plain_wall, "wall_s_profiled": wall, "categories_s": dict(totals),
+          "top_kernels_s": dict(top)})
+
+
+if __name__ == "__main__":
+    main()
