@@ -1,9 +1,10 @@
 """Model shapes and the standard workload shared by the GPU benchmarks (../shared/anchors).
 
 Random bf16 weights of a real model's shape cost the same as the real weights, and need no download.
-Shapes in CHECKPOINT_FREE are too big to write to the GPU machine's disk (Qwen3-30B-A3B: ~61 GB): their
-folder holds config.json and the tokenizer only, pagednb runs them with load_format="dummy" (random
-weights made on the device) and HF with `hf_model` (from the config, random weights on the device).
+Shapes in CHECKPOINT_FREE are too big to write to the GPU machine's disk quickly (Qwen3-30B-A3B: ~61 GB,
+Llama-3.1-8B: ~16 GB): their folder holds config.json and the tokenizer only, pagednb runs them with
+load_format="dummy" (random weights made on the device) and HF with `hf_model` (from the config, random
+weights on the device).
 """
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ SHAPES = {
                          tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 32.0,
                                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                                  "original_max_position_embeddings": 8192}),
+    # the tensor-parallel scaling shape (benchmarks/throughput.py --tp 1,2)
+    "llama-3.1-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         rope_theta=5e5, tie_word_embeddings=False, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                  "original_max_position_embeddings": 8192}),
     "qwen3-30b-a3b": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           rope_theta=1e6, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
@@ -35,7 +42,7 @@ SHAPES = {
                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
                        tie_word_embeddings=True),
 }
-CHECKPOINT_FREE = {"qwen3-30b-a3b"}
+CHECKPOINT_FREE = {"qwen3-30b-a3b", "llama-3.1-8b"}
 
 
 def workload(n: int, vocab_size: int = 10001) -> tuple[list[list[int]], list[int]]:

@@ -10,7 +10,12 @@ and static `generate` in batches of 64 (greedy, as in the anchors: HF's cost doe
 HF takes ~4 minutes per method on the whole workload, so `--hf-requests N` runs it on the first N
 requests (one static batch at 64) and pagednb on that same subset too, for a like-for-like ratio.
 
+Tensor parallelism: `--tp 2` runs pagednb over 2 GPUs; `--tp 1,2` runs it at each size in turn (one
+engine closed before the next starts) and reports each one's scaling over the first. A size needing
+more GPUs than the machine has stops the script with the count.
+
     python benchmarks/throughput.py --shape qwen3-0.6b [--hf cb,static] [--hf-requests 64] [--eager]
+    python benchmarks/throughput.py --shape llama-3.1-8b --tp 1,2
 """
 from __future__ import annotations
 
@@ -26,16 +31,17 @@ from shapes import CHECKPOINT_FREE, SHAPES, hf_model, make_model_dir, workload
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU only runs the tiny smoke shape
 
 
-def run_pagednb(model_dir: Path, prompts, outputs, args) -> dict:
+def run_pagednb(model_dir: Path, prompts, outputs, args, tp: int = 1) -> dict:
     from pagednb import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), max_model_len=2048, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
-              enforce_eager=args.eager, load_format="dummy" if args.shape in CHECKPOINT_FREE else "auto")
+              enforce_eager=args.eager, load_format="dummy" if args.shape in CHECKPOINT_FREE else "auto",
+              tensor_parallel_size=tp)
     startup = time.perf_counter() - t0
     llm.generate([p[:32] for p in prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    results = {"startup_s": startup, "cuda_graphs": llm.engine.uses_cuda_graphs}
+    results = {"tensor_parallel_size": tp, "startup_s": startup, "cuda_graphs": llm.engine.uses_cuda_graphs}
     subsets = {"all": len(prompts)}
     if args.hf and args.hf_requests < len(prompts):
         subsets[f"first_{args.hf_requests}"] = args.hf_requests
@@ -120,24 +126,35 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="a second pagednb run with each step timed")
     parser.add_argument("--hf", default="", help="HF baselines to run in the same process: cb, static or cb,static")
     parser.add_argument("--hf-requests", type=int, default=256, help="run HF on the first N requests only")
+    parser.add_argument("--tp", default="1", help="tensor_parallel_size, or several (1,2): each run in turn")
     args = parser.parse_args()
+    sizes = [int(n) for n in args.tp.split(",")]
+    if torch.cuda.is_available() and max(sizes) > torch.cuda.device_count():  # (a CPU runs ranks as processes)
+        raise SystemExit(f"--tp {args.tp} needs {max(sizes)} GPUs; this machine has {torch.cuda.device_count()}")
     prompts, outputs = workload(args.requests, SHAPES[args.shape]["vocab_size"])
     hf_n = min(args.hf_requests, args.requests)
     baselines = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(args.shape, Path(tmp) / args.shape)
         hf_first = args.shape in CHECKPOINT_FREE  # HF's random copy freed before pagednb makes its own
-        ours = None if hf_first else run_pagednb(model_dir, prompts, outputs, args)
+        runs = {} if hf_first else {tp: run_pagednb(model_dir, prompts, outputs, args, tp) for tp in sizes}
         methods = [m for m in args.hf.split(",") if m]
         if "cb" in methods:
             baselines["hf_continuous_batching"] = run_hf_continuous_batching(model_dir, prompts[:hf_n], outputs[:hf_n])
         if "static" in methods:
             baselines["hf_static_generate"] = run_hf_static(model_dir, prompts[:hf_n], outputs[:hf_n])
         if hf_first:
-            ours = run_pagednb(model_dir, prompts, outputs, args)
+            runs = {tp: run_pagednb(model_dir, prompts, outputs, args, tp) for tp in sizes}
+    ours = runs[sizes[0]]
     subset = "all" if hf_n == args.requests else f"first_{hf_n}"
-    rows = [["pagednb" + (" (eager)" if args.eager else ""), args.shape, ours["all"]["requests"],
-             sum(outputs), ours["all"]["wall_s"], ours["all"]["output_tok_per_s"], "", ours["all"]["steps"]]]
+    rows = []
+    for tp, run in runs.items():
+        scaling = run["all"]["output_tok_per_s"] / ours["all"]["output_tok_per_s"]
+        run["scaling_vs_first"] = scaling
+        rows.append(["pagednb" + (" (eager)" if args.eager else "") + (f" TP={tp}" if tp > 1 or len(sizes) > 1 else ""),
+                     args.shape, run["all"]["requests"], sum(outputs), run["all"]["wall_s"],
+                     run["all"]["output_tok_per_s"], f"{scaling:.2f}x TP={sizes[0]}" if tp != sizes[0] else "",
+                     run["all"]["steps"]])
     if subset != "all":
         r = ours[subset]
         rows.append(["pagednb", args.shape, r["requests"], sum(outputs[:hf_n]), r["wall_s"], r["output_tok_per_s"],
@@ -147,13 +164,16 @@ def main() -> None:
         r["pagednb_speedup"] = ratio
         rows.append([name, args.shape, r["requests"], sum(outputs[:hf_n]), r["wall_s"], r["output_tok_per_s"],
                      f"pagednb {ratio:.1f}x", ""])
-    path = save(f"throughput_{args.shape}" + ("_eager" if args.eager else ""),
+    path = save(f"throughput_{args.shape}" + ("_eager" if args.eager else "") + (f"_tp{'_'.join(map(str, sizes))}"
+                                                                                  if sizes != [1] else ""),
                 {"shape": args.shape, "requests": args.requests, "prompt_tokens": sum(map(len, prompts)),
-                 "output_tokens": sum(outputs), "pagednb": ours, **baselines})
+                 "output_tokens": sum(outputs), "pagednb": ours,
+                 **({f"pagednb_tp{tp}": run for tp, run in runs.items()} if sizes != [1] else {}), **baselines})
     print(f"\nThroughput, {args.requests} requests, {sum(map(len, prompts))} prompt + {sum(outputs)} output tokens; "
           f"startup {ours['startup_s']:.1f} s, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}")
     print(f"wrote {path}")
-    print_table(["engine", "shape", "requests", "output tokens", "wall s", "output tok/s", "vs HF", "steps"], rows)
+    print_table(["engine", "shape", "requests", "output tokens", "wall s", "output tok/s", "vs HF / scaling", "steps"],
+                rows)
     if "breakdown" in ours:
         b = ours["breakdown"]
         print(f"\nStep breakdown (a second run, each step timed: {b['wall_s']:.2f} s)")

@@ -24,11 +24,13 @@ LIMITS = {
     "max_model_len": 2**24,
     "num_kv_blocks": 2**31 - 1,
     "max_cuda_graph_batch_size": 2048,
+    "tensor_parallel_size": 64,
     "kv_cache_memory": 2**44,
 }
 LIMIT_REASONS = {
     "num_kv_blocks": "block ids are int32",
     "max_cuda_graph_batch_size": "one graph per 16 sequences; capturing more takes minutes",
+    "tensor_parallel_size": "the GPUs of one host",
     "kv_cache_memory": "bytes, 16 TiB",
 }
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 2**30  # bytes; a CPU has no profiler rule, so a plain budget
@@ -60,6 +62,7 @@ class EngineConfig:
     max_cuda_graph_batch_size: int = 512  # decode graphs cover batches up to min(this, max_num_seqs)
     async_scheduling: bool | None = None  # None: on for a GPU (host work overlaps the device's), off on a CPU
     load_format: str = "auto"  # "auto"/"safetensors": the checkpoint; "dummy": random weights, no checkpoint read
+    tensor_parallel_size: int = 1  # GPUs (CPU: processes) the model is split over (pagednb/distributed/)
 
     def validate(self) -> None:
         """Checks every field's type and range (TypeError / ValueError naming the field and what it
@@ -75,7 +78,7 @@ class EngineConfig:
         self.block_size = as_int("block_size", self.block_size, sizes)
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be {sizes}, got {self.block_size}")
-        for name in ("max_num_seqs", "max_cuda_graph_batch_size"):
+        for name in ("max_num_seqs", "max_cuda_graph_batch_size", "tensor_parallel_size"):
             setattr(self, name, _bounded_int(name, getattr(self, name)))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:

@@ -335,7 +335,7 @@ _OPTIONS = [field for field in dataclasses.fields(EngineConfig) if field.name !=
 def _engine_config(model: str | None, options: dict) -> EngineConfig:
     """EngineConfig from LLM's arguments; a misspelt option raises TypeError as Python would, listing
     the accepted ones; a vLLM option pagednb lacks raises ValueError naming it, unless its value asks for
-    nothing (tensor_parallel_size=1): then it is ignored (pagednb/vllm_compat.py)."""
+    nothing (pipeline_parallel_size=1): then it is ignored (pagednb/vllm_compat.py)."""
     names = [field.name for field in _OPTIONS]
     for name in [name for name in options if name not in names and is_vllm_option(name)]:
         check_vllm_option(name, options.pop(name))  # a harmless value is dropped; any other raises

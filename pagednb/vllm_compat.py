@@ -1,7 +1,7 @@
 """vLLM's `LLM(...)` options that pagednb does not have: code written for vLLM gets a clear answer.
 
 An option whose value asks for nothing pagednb lacks (vLLM's default, or a value meaning "off" or
-"one GPU") is accepted and ignored, so `LLM(model, tensor_parallel_size=1, disable_log_stats=True)`
+"one GPU") is accepted and ignored, so `LLM(model, pipeline_parallel_size=1, disable_log_stats=True)`
 runs unchanged. Any other value raises ValueError "pagednb does not support <name>=<value> (a vLLM
 option)". Options vLLM and pagednb share (dtype, max_model_len, seed, ...) are EngineConfig fields and
 never reach this table; a name neither knows is a TypeError listing pagednb's options (llm.py).
@@ -12,10 +12,9 @@ _ANY = object()  # every value is harmless (logging, CPU-side knobs with no page
 
 # name -> the values that ask for nothing pagednb lacks (the first is vLLM's default)
 IGNORED_WHEN: dict[str, tuple] = {
-    "tensor_parallel_size": (1,),
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),
-    "distributed_executor_backend": (None,),
+    "distributed_executor_backend": (None, "mp"),  # tensor-parallel workers are spawned processes
     "quantization": (None,),
     "kv_cache_dtype": ("auto",),
     "calculate_kv_scales": (False,),

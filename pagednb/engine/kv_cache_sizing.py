@@ -11,7 +11,7 @@ live pagednb engines (engine/live_engines.py), so the user knows what to close()
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,6 +74,8 @@ def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, 
         num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
     elif runner.device.type == "cuda":
         gpu_memory = _profile_gpu_memory(config, runner, max_model_len, max_num_batched_tokens)
+        if runner.tensor_parallel is not None:  # one pool size for every rank: what the least of them affords
+            gpu_memory = replace(gpu_memory, available=runner.tensor_parallel.min_over_ranks(gpu_memory.available))
         logger.info("%s", gpu_memory.report())
         num_blocks, source = _cap(gpu_memory.available // runner.block_bytes(), useful, max_num_seqs,
                                   f"gpu_memory_utilization={config.gpu_memory_utilization}")

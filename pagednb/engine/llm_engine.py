@@ -16,11 +16,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from pagednb.attention.selector import select_attention_backend
 from pagednb.config import EngineConfig
+from pagednb.distributed.parallel_layers import check_tensor_parallel, shard_spec
+from pagednb.distributed.tp_runner import TensorParallelRunner
+from pagednb.distributed.worker_pool import TensorParallelError, WorkerPool, rank_devices
 from pagednb.engine import live_engines
 from pagednb.engine.block_pool import BlockPool
 from pagednb.engine.input_processor import InputProcessor, PromptType, find_eos_token_ids
@@ -56,27 +60,25 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(self.device)
         self.max_model_len = config.resolve_max_model_len(self.spec.max_position_embeddings)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device)
-        check_start_up_memory(self.spec, config, self.dtype, self.device, self.max_model_len,
-                              self.max_num_batched_tokens)  # before any allocation: a clear error, not an OOM
+        check_tensor_parallel(self.spec, hf_config, config.tensor_parallel_size)
+        devices = rank_devices(self.device, config.tensor_parallel_size)  # one per tensor-parallel rank
+        self.device = devices[0]
+        check_start_up_memory(shard_spec(self.spec, config.tensor_parallel_size), config, self.dtype, self.device,
+                              self.max_model_len, self.max_num_batched_tokens)  # before any allocation: a clear error
         self.eos_token_ids = find_eos_token_ids(self.tokenizer, hf_config, self.model_path)
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        t0 = time.perf_counter()
         self.attention_backend = select_attention_backend(self.device, config.attention_backend,
                                                           uses_attention_softcap(self.spec, hf_config))
-        model = load_model(self.model_path, hf_config, self.spec, self.dtype, self.device, self.attention_backend,
-                           config.load_format)
-        logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
-                    self.spec.architecture, self.device, time.perf_counter() - t0, self.attention_backend.name)
-        self.runner = ModelRunner(model, self.device, self.dtype, config.block_size, config.max_num_seqs,
-                                  self.max_model_len, sorted(self.eos_token_ids), self.generator,
-                                  self.max_num_batched_tokens)
-        self.pool_plan = plan_kv_pool(config, self.runner, self.max_model_len, self.max_num_batched_tokens,
-                                      config.max_num_seqs)
-        self.runner.allocate_kv_cache(self.pool_plan.num_blocks)
-        live_engines.register(self, config.model, self.device, live_engines.parameter_bytes(model),
-                              live_engines.tensor_bytes(self.runner.kv_cache_tensors))  # named by later engines' reports
-        self.uses_cuda_graphs = self._capture_cuda_graphs()
+        # tensor parallel: ranks 1.. in spawned processes, loading their shards while this one loads its own
+        self.workers = (WorkerPool.start(replace(config, model=str(self.model_path)), devices,
+                                         self.attention_backend.name) if len(devices) > 1 else None)
+        try:
+            self._load_model(hf_config)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
         caching = config.enable_prefix_caching and self.spec.sliding_window is None
         if config.enable_prefix_caching and not caching:
             logger.info("Prefix caching is off: the model uses a sliding window")
@@ -106,6 +108,25 @@ class LLMEngine:
         # walks them all: a ~250 ms pause in the middle of the first workload (benchmarks/NOTES.md). One full
         # collection here, while nothing is being served, resets that count.
         gc.collect()
+
+    def _load_model(self, hf_config) -> None:
+        """The weights (this rank's shard with tensor parallelism), the KV pool and the CUDA graphs."""
+        config, t0 = self.config, time.perf_counter()
+        tp = self.workers.group if self.workers is not None else None
+        model = load_model(self.model_path, hf_config, self.spec, self.dtype, self.device, self.attention_backend,
+                           config.load_format, tp=tp)
+        logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
+                    self.spec.architecture, self.device, time.perf_counter() - t0, self.attention_backend.name)
+        runner_args = (model, self.device, self.dtype, config.block_size, config.max_num_seqs, self.max_model_len,
+                       sorted(self.eos_token_ids), self.generator, self.max_num_batched_tokens)
+        self.runner = (ModelRunner(*runner_args) if self.workers is None
+                       else TensorParallelRunner(self.workers, *runner_args))
+        self.pool_plan = plan_kv_pool(config, self.runner, self.max_model_len, self.max_num_batched_tokens,
+                                      config.max_num_seqs)
+        self.runner.allocate_kv_cache(self.pool_plan.num_blocks)
+        live_engines.register(self, config.model, self.device, live_engines.parameter_bytes(model),
+                              live_engines.tensor_bytes(self.runner.kv_cache_tensors))  # named by later engines' reports
+        self.uses_cuda_graphs = self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> bool:
         """Decode CUDA graphs on a GPU with pagednb's CUDA attention, unless enforce_eager."""
@@ -277,6 +298,8 @@ class LLMEngine:
             self.scheduler.finish_requests([r.request_id for r in terminated], RequestStatus.FINISHED_STOPPED)
 
     def _fail(self, sched, error: Exception) -> list[RequestOutput]:
+        if isinstance(error, TensorParallelError):
+            raise error  # the ranks are out of step: the engine stops (the driver ends every request with it)
         logger.error("Model step failed; its %d requests end with finish_reason 'error'. The engine can "
                      "continue: other requests are unaffected", len(sched.scheduled), exc_info=error)
         self.scheduler.rollback(sched)
@@ -327,6 +350,9 @@ class LLMEngine:
             raise ValueError(f"level must be 1 ({SLEEP_LEVELS[1]}) or 2 ({SLEEP_LEVELS[2]}), got {level!r}")
         if self.is_sleeping:
             return
+        if self.workers is not None:
+            raise NotImplementedError(f"sleep mode is not supported with tensor_parallel_size="
+                                      f"{self.config.tensor_parallel_size}: close() the LLM to free its GPUs")
         self._check_idle()
         with deferred_interrupts():
             self._complete_in_flight()  # a step launched for requests that finished since: tokens dropped
@@ -411,6 +437,8 @@ class LLMEngine:
                 return
             self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
             self._in_flight.clear()
+            if self.workers is not None:  # first: a collective a dead worker never joined is aborted, not awaited
+                self.workers.close()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # nothing may still write into the cache being freed
             self.runner.kv_caches.clear()  # in place: a traceback's frame may still hold the list

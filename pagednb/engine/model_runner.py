@@ -95,6 +95,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # per layer (a hybrid model's layers share tensors)
         self.kv_cache_tensors: list[torch.Tensor] = []  # each tensor once: what the cache holds in memory
         self.graphs: DecodeGraphs | None = None
+        self.tensor_parallel = None  # the ranks this runner's model is a shard of (distributed/), None on one device
         # the last launch's sampled tokens (device) and each sampling request's index among them
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # pinned landing places of the sampled tokens, one per step that may be in flight (+1 spare)

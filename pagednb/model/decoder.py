@@ -281,6 +281,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.logits_softcap = flavor.logits_softcap
         self.logits_divisor = flavor.logits_divisor
+        self.logits_gather = None  # tensor parallel: the ranks' vocabulary blocks joined (distributed/)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -293,6 +294,8 @@ class CausalLM(nn.Module):
         HF's order of operations."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         logits = linear(hidden, weight)
+        if self.logits_gather is not None:
+            logits = self.logits_gather(logits)
         if self.logits_divisor != 1.0:
             logits = logits / self.logits_divisor
         if self.logits_softcap:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,10 @@ from pagednb.model.layers import MergedLinear
 from pagednb.model.moe import FusedExperts, checkpoint_tensors
 from pagednb.model.registry import build_model
 from pagednb.model.spec import CONFIG_DIMENSIONS, ModelSpec, check_hf_config
+
+if TYPE_CHECKING:  # distributed/ builds on the model package: imported where used, to keep imports one-way
+    from pagednb.distributed.parallel_layers import ShardRule
+    from pagednb.distributed.process_group import TensorParallelGroup
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -99,15 +104,25 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 
 def load_model(path: Path, hf_config, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               attn_backend: AttentionBackend, load_format: str = "auto") -> CausalLM:
+               attn_backend: AttentionBackend, load_format: str = "auto",
+               tp: TensorParallelGroup | None = None) -> CausalLM:
     """Build the model of spec (registry.model_spec) without initialising weights, then fill every
-    parameter from safetensors ("auto") or with random values on the device ("dummy")."""
+    parameter from safetensors ("auto") or with random values on the device ("dummy"). With tp (a
+    distributed.TensorParallelGroup) the model is this rank's shard, loaded with its slice of each tensor."""
     with torch.device("meta"):
         model = build_model(spec, hf_config, attn_backend)
+        if tp is not None:
+            from pagednb.distributed.parallel_layers import shard_model
+            shard_model(model, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
-    if load_format == "dummy":
+    if load_format == "dummy" and tp is None:
         init_dummy_weights(model)
+    elif load_format == "dummy":  # the tp=1 model's random weights, each rank its slice
+        from pagednb.distributed.parallel_layers import dummy_checkpoint
+        with torch.device("meta"):
+            full = build_model(spec, hf_config, attn_backend)
+        _load_tensors(model, dummy_checkpoint(full, weight_targets(full), device, dtype))
     else:
         load_weights(model, safetensors_files(Path(path)))
     return model.eval()
@@ -178,39 +193,48 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield from checkpoint_tensors(name, f.get_tensor(name))  # MoE experts under one naming
 
 
-def weight_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | tuple | None]]:
-    """Checkpoint (HF) tensor name -> (parameter, the part of it: rows, or an expert's rows), unpacking the
-    fused projections and the stacked experts."""
-    targets: dict[str, tuple[torch.Tensor, slice | tuple | None]] = {}
+def weight_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, slice | tuple | None, ShardRule | None]]:
+    """Checkpoint (HF) tensor name -> (parameter, the part of it: rows, or an expert's rows, and the
+    tensor-parallel rule cutting this rank's slice from the checkpoint tensor, None for all of it),
+    unpacking the fused projections and the stacked experts."""
+    targets: dict[str, tuple[torch.Tensor, slice | tuple | None, ShardRule | None]] = {}
     for module_name, module in model.named_modules():
+        rules = getattr(module, "tp_rules", {})  # set by distributed.parallel_layers.shard_model
         if isinstance(module, FusedExperts):
-            targets.update(module.weight_targets(module_name))
+            for name, (param, part) in module.weight_targets(module_name).items():
+                targets[name] = (param, part, rules.get(".".join(name.split(".")[-2:])))
             continue
         for param_name, param in module.named_parameters(recurse=False):
             if isinstance(module, MergedLinear) and not module.fused_in_checkpoint:
                 parent = module_name.rpartition(".")[0]
                 for shard, rows in module.shard_slices().items():
-                    targets[f"{parent}.{shard}.{param_name}"] = (param, rows)
+                    targets[f"{parent}.{shard}.{param_name}"] = (param, rows, rules.get(f"{shard}.{param_name}"))
             else:
-                targets[f"{module_name}.{param_name}"] = (param, None)
+                targets[f"{module_name}.{param_name}"] = (param, None, rules.get(param_name))
     return targets
 
 
-@torch.no_grad()
 def load_weights(model: CausalLM, files: list[Path]) -> None:
     """Copy every checkpoint tensor into its (part of a) parameter; all must be present. A progress bar
     appears only if loading takes over a second (big checkpoints), so small models stay quiet."""
+    _load_tensors(model, _iter_tensors(files))
+
+
+@torch.no_grad()
+def _load_tensors(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     from tqdm.auto import tqdm
     targets = weight_targets(model)
     loaded, unexpected = set(), []
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", delay=1.0, leave=False)
-    for name, tensor in _iter_tensors(files):
+    for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
             continue
         if name not in targets:
             unexpected.append(name)
             continue
-        param, rows = targets[name]
+        param, rows, rule = targets[name]
+        if rule is not None:
+            tensor = rule.take(tensor)
         dest = param if rows is None else param[rows]
         if dest.shape != tensor.shape:
             raise WeightLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
