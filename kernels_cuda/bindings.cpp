@@ -5,6 +5,8 @@
 // take (dtype codes, head dims, size limits) are exported too: Python reads them rather than copying them.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <mutex>
 #include <stdint.h>
@@ -12,6 +14,19 @@
 #include "launchers.h"
 
 using pagednb::AttnParams;
+
+bool pagednb::pdl_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("PAGEDNB_PDL");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    return major >= 9;
+  }();
+  return on;
+}
 
 namespace {
 
@@ -80,6 +95,12 @@ int resident_ctas(int dtype, int head_dim, int G, int variant) {
   return n;
 }
 
+// The GEMV's output checks: silu_and_mul 1 takes the weight's rows as [gate (N/2) | up (N/2)] and writes
+// out[M, N/2] = SiLU(gate) * up.
+bool gemv_out_ok(int N, int64_t out_stride, int silu_and_mul) {
+  return silu_and_mul ? N % 2 == 0 && out_stride >= N / 2 : out_stride >= N;
+}
+
 }  // namespace
 
 extern "C" {
@@ -87,7 +108,8 @@ extern "C" {
 // Split-K plan for the row kernel (or the tensor-core decode kernel where group_mma_applies: one CTA per
 // kv head then): rows = query rows it serves, range_max = the most tokens a row
 // attends to. No split when the (row, kv head) CTAs already fill 3/4 of one wave of resident CTAs;
-// otherwise enough partitions (of >= 256 tokens) for about one full wave.
+// otherwise enough partitions (of >= 128 tokens) for about one full wave. A partition's CTA is latency-bound
+// (batch 1, context 512: 7.4 us for 256 tokens on an H200), and each partition costs the reduce one more read.
 int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int range_max, int num_sms,
                      int variant, int* P, int* part_size, int* head_groups) {
   if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;
@@ -98,7 +120,7 @@ int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int rang
   const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * Hkv * *head_groups;
   const int64_t wave = (int64_t)resident_ctas(dtype, head_dim, G, variant) * (num_sms < 1 ? 1 : num_sms);
   int64_t parts = 4 * base >= 3 * wave ? 1 : (wave + base - 1) / base;
-  const int64_t max_parts = (range_max + 255) / 256;
+  const int64_t max_parts = (range_max + 127) / 128;
   if (parts > max_parts) parts = max_parts;
   if (parts > 1024) parts = 1024;
   if (parts < 1) parts = 1;
@@ -201,14 +223,45 @@ int pagednb_sample_temperature(int logits_dtype, const void* logits, int64_t row
   return pagednb::launch_sample_temperature(a, stream);
 }
 
-// ---- small-batch linear (gemv.cu): bf16 / fp16, element strides ------------------------------------------------
+int pagednb_sample_greedy(int logits_dtype, const void* logits, int64_t row_stride, int64_t* out, int rows, int vocab,
+                          void* stream) {
+  if (!supported_dtype(logits_dtype) || rows < 0 || vocab <= 0 || row_stride < 0) return -1;
+  if (rows > 0 && (logits == nullptr || out == nullptr)) return -1;
+  pagednb::GreedyArgs a{logits, logits_dtype, row_stride, out, rows, vocab};
+  return pagednb::launch_sample_greedy(a, stream);
+}
+
+// Whether the kernels are launched with programmatic dependent launch (common.cuh): sm_90+, PAGEDNB_PDL != 0.
+int pagednb_pdl_enabled() { return pagednb::pdl_enabled() ? 1 : 0; }
+
+// ---- small-batch linear (gemv.cu): bf16 / fp16, element strides; silu_and_mul: see gemv_out_ok -----------------
 int pagednb_gemv(int dtype, void* out, int64_t out_stride, const void* x, int64_t x_stride, const void* weight,
-                 const void* bias, int M, int N, int K, void* stream) {
+                 const void* bias, int M, int N, int K, int silu_and_mul, void* stream) {
   if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
-  if (M < 0 || M > pagednb::kGemvMaxRows || N < 0 || K <= 0 || K % 8 != 0 || out_stride < N || x_stride < K)
+  if (M < 0 || M > pagednb::kGemvMaxRows || N < 0 || K <= 0 || K % 8 != 0 || x_stride < K ||
+      !gemv_out_ok(N, out_stride, silu_and_mul))
     return -1;
   if (!aligned16({x, weight}, {x_stride * 2})) return -1;
-  pagednb::GemvArgs a{out, x, weight, bias, x_stride, out_stride, M, N, K};
+  pagednb::GemvArgs a{out, x, weight, bias, x_stride, out_stride, M, N, K, pagednb::kGemvPlain, silu_and_mul ? 1 : 0};
+  return pagednb::launch_gemv(dtype, a, stream);
+}
+
+// The product with RMSNorm(x + residual) as its input rows (residual nullptr: RMSNorm(x)), x + residual also
+// written to residual_out [M, K] (dense); the norm as pagednb_rms_norm takes it. K <= kGemvMaxNormWidth;
+// silu_and_mul as pagednb_gemv.
+int pagednb_gemv_rms_norm(int dtype, void* out, int64_t out_stride, const void* x, int64_t x_stride,
+                          const void* residual, int64_t residual_stride, void* residual_out, const void* norm_weight,
+                          float eps, float weight_offset, int weight_in_float32, const void* weight, const void* bias,
+                          int M, int N, int K, int silu_and_mul, void* stream) {
+  if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
+  if (M < 0 || M > pagednb::kGemvMaxRows || N < 0 || K <= 0 || K % 8 != 0 || K > pagednb::kGemvMaxNormWidth ||
+      x_stride < K || !gemv_out_ok(N, out_stride, silu_and_mul) || norm_weight == nullptr ||
+      (residual != nullptr && residual_out == nullptr))
+    return -1;
+  if (!aligned16({x, weight, residual, residual_out, norm_weight}, {x_stride * 2, residual_stride * 2})) return -1;
+  pagednb::GemvArgs a{out,      x,           weight, bias, x_stride, out_stride, M, N, K, pagednb::kGemvRmsNorm,
+                      silu_and_mul ? 1 : 0, residual, residual_out, norm_weight, residual_stride, eps,
+                      {weight_offset, weight_in_float32}};
   return pagednb::launch_gemv(dtype, a, stream);
 }
 
@@ -243,6 +296,7 @@ int pagednb_head_dim(int index) { return index >= 0 && index < kNumHeadDims ? pa
 int64_t pagednb_max_norm_row_bytes() { return pagednb::kMaxNormRowBytes; }
 int pagednb_max_sample_vocab() { return pagednb::kMaxSampleVocab; }
 int pagednb_gemv_max_rows() { return pagednb::kGemvMaxRows; }
+int pagednb_gemv_max_norm_width() { return pagednb::kGemvMaxNormWidth; }
 int pagednb_moe_max_experts() { return pagednb::kMoeMaxExperts; }
 
 int pagednb_params_size() { return (int)sizeof(AttnParams); }

@@ -12,6 +12,7 @@ __global__ void __launch_bounds__(128) write_kv_kernel(const char* __restrict__ 
                                                        int64_t k_stride_tok, int64_t v_stride_tok,
                                                        char* __restrict__ cache, int64_t v_offset_bytes,
                                                        const int64_t* __restrict__ slots, int64_t row_bytes) {
+  PAGEDNB_PDL_ENTER();
   const int tok = blockIdx.x;
   const int64_t slot = __ldg(slots + tok);
   if (slot < 0) return;
@@ -42,15 +43,12 @@ int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, in
   const char* k = static_cast<const char*>(key);
   const char* v = static_cast<const char*>(value);
   char* c = static_cast<char*>(cache);
-  if (all % 16 == 0)
-    write_kv_kernel<uint4><<<num_tokens, 128, 0, st>>>(k, v, k_stride_tok, v_stride_tok, c, v_offset_bytes, slots, row_bytes);
-  else if (all % 8 == 0)
-    write_kv_kernel<uint2><<<num_tokens, 128, 0, st>>>(k, v, k_stride_tok, v_stride_tok, c, v_offset_bytes, slots, row_bytes);
-  else if (all % 4 == 0)
-    write_kv_kernel<uint32_t><<<num_tokens, 128, 0, st>>>(k, v, k_stride_tok, v_stride_tok, c, v_offset_bytes, slots, row_bytes);
-  else
-    write_kv_kernel<uint16_t><<<num_tokens, 128, 0, st>>>(k, v, k_stride_tok, v_stride_tok, c, v_offset_bytes, slots, row_bytes);
-  return (int)cudaGetLastError();
+  const auto kernel = all % 16 == 0 ? write_kv_kernel<uint4>
+                      : all % 8 == 0  ? write_kv_kernel<uint2>
+                      : all % 4 == 0  ? write_kv_kernel<uint32_t>
+                                      : write_kv_kernel<uint16_t>;
+  return launch_pdl(kernel, dim3(num_tokens), dim3(128), 0, st, k, v, k_stride_tok, v_stride_tok, c, v_offset_bytes,
+                    slots, row_bytes);
 }
 
 }  // namespace pagednb

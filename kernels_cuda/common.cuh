@@ -1,5 +1,6 @@
-// Shared device helpers for pagednb's kernels: element types, 16-byte vector conversions, fast exp2,
-// cp.async, ldmatrix and mma.sync wrappers. Plain CUDA (no torch headers) so build units stay small.
+// Shared device helpers for pagednb's kernels: programmatic dependent launch, element types, 16-byte
+// vector conversions, fast exp2, cp.async, ldmatrix and mma.sync wrappers. Plain CUDA (no torch headers) so
+// build units stay small.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,9 +8,55 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <utility>
+
 #include "launchers.h"
 
 namespace pagednb {
+
+// ---- Programmatic Dependent Launch (Hopper and later) ----------------------------------------------------
+// A batch-1 decode step is ~300 short kernels; between two of them the GPU drains one grid, then launches and
+// ramps up the next. launch_pdl lets a kernel's CTAs start while the kernel before it in the stream finishes
+// (cudaLaunchAttributeProgrammaticStreamSerialization, kept by CUDA graph capture), so that gap overlaps
+// work. Every kernel launched this way follows three rules:
+//   1. pdl_wait() before it reads anything an earlier kernel wrote and before it writes anything (the
+//      earlier kernel may still be reading the memory a write would reuse); only data no kernel writes
+//      (weights) may be read before it;
+//   2. every CTA calls pdl_wait() before it exits, so the grid completes only after the grid before it:
+//      a later kernel that waits on this one has then waited on every earlier one too;
+//   3. pdl_launch_dependents() may come anywhere: from then on the next kernel may start its CTAs (they
+//      wait in their own pdl_wait(); it fires once every CTA of this grid has called it or exited).
+// Without the attribute (PAGEDNB_PDL=0, a GPU before sm_90, or launched by someone else) both instructions
+// are no-ops, and for code built for an older architecture they compile to nothing.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// The first line of a kernel with nothing to read before its inputs: let the next kernel launch, then wait.
+#define PAGEDNB_PDL_ENTER() (::pagednb::pdl_launch_dependents(), ::pagednb::pdl_wait())
+
+// kernel<<<grid, block, smem, st>>>(args...), with programmatic stream serialization where pdl_enabled()
+// (launchers.h); returns the launch's status (0 or a cudaError_t).
+template <typename... Params, typename... Args>
+int launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
 
 // The host launchers' dtype dispatch: f(T{}) with the element type of a dtype code (f instantiates its
 // kernel for decltype of the argument); -1 for an unknown code.
@@ -60,6 +107,36 @@ template <> struct Elem<__half> {
   __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
   __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
 };
+
+// The RMSNorm kernel's CTA (fused_ops.cu) for a row of nvec 16-byte vectors: the fewest vectors per thread
+// (iters: 1, 2, 4 or 8) that fit in kNormMaxThreads threads, the threads rounded up to whole warps (iters 16:
+// the row is too long). Thread t sums vectors t, t + threads, ... in order, then lanes, then warps; the GEMV's
+// fused norm (gemv.cu) adds its squares in this same order, so both give the same bits.
+constexpr int kNormMaxThreads = 512;
+struct NormCta {
+  int iters, threads;
+};
+__host__ __device__ inline NormCta rms_norm_cta(int nvec) {
+  int iters = 1, threads = 0;
+  for (; iters <= 8; iters *= 2) {
+    threads = ((nvec + iters - 1) / iters + 31) / 32 * 32;
+    if (threads <= kNormMaxThreads) break;
+  }
+  return {iters, threads};
+}
+
+// x rounded to T and back: where torch rounds an elementwise result to the model dtype.
+template <typename T> __device__ __forceinline__ float round_to(float x) {
+  return Elem<T>::to_float(Elem<T>::from_float(x));
+}
+
+// SiLU(gate) * up as torch's CUDA silu and mul round it: round(round(gate / (1 + exp(-gate))) * up). One
+// definition for the SiLU kernel (fused_ops.cu) and the GEMV that forms its input with it (gemv.cu), so
+// both give the same bits; __fdiv_rn / __fadd_rn / __fmul_rn: never contracted into an FMA.
+template <typename T> __device__ __forceinline__ float silu_and_mul(float gate, float up) {
+  const float silu = round_to<T>(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))));
+  return round_to<T>(__fmul_rn(silu, up));
+}
 
 // Pack two floats into one 32-bit register of two 16-bit values (low = a).
 template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);

@@ -95,6 +95,7 @@ struct RowCfg {
 
 template <typename T, int D, int GMAX, bool PIPE, bool CAP = false>  // CAP: Gemma 2's soft-capping
 __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
+  PAGEDNB_PDL_ENTER();
   using C = RowCfg<T, D, GMAX>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U, S = C::S;
   constexpr int NT = C::NT;
@@ -310,6 +311,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
 // Merges the P partials of each (row, head): one thread per output element of the head.
 template <typename T>
 __global__ void row_reduce_kernel(const AttnParams p, int D) {
+  PAGEDNB_PDL_ENTER();
   const int row = blockIdx.x, h = blockIdx.y;
   const int s = find_seq(p.qsl, p.num_seqs, row);
   if (s < 0) return;
@@ -346,8 +348,7 @@ int launch_row_variant(const AttnParams& p, cudaStream_t st) {
     configured = true;
   }
   const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
-  row_attn_kernel<T, D, GMAX, PIPE, CAP><<<grid, C::NT, smem, st>>>(p);
-  return (int)cudaGetLastError();
+  return launch_pdl(row_attn_kernel<T, D, GMAX, PIPE, CAP>, grid, dim3(C::NT), smem, st, p);
 }
 
 template <typename T, int D, int GMAX, bool PIPE>
@@ -365,8 +366,7 @@ int launch_row_t(const AttnParams& p, cudaStream_t st) {
     e = launch_row_kernel<T, D, GMAX, false>(p, st);
   }
   if (e != 0) return e;
-  if (p.P > 1) row_reduce_kernel<T><<<dim3(p.num_rows, p.H), D, 0, st>>>(p, D);
-  return (int)cudaGetLastError();
+  return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
 }
 
 template <typename T, int D, int GMAX>

@@ -43,6 +43,7 @@ struct GroupMmaCfg {
 
 template <typename T, int D, bool CAP = false>  // CAP: Gemma 2's soft-capping
 __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams p) {
+  PAGEDNB_PDL_ENTER();
   using C = GroupMmaCfg<D>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
@@ -223,14 +224,10 @@ int launch_group_mma(const AttnParams& p, cudaStream_t st) {
       e != cudaSuccess)
     return (int)e;
   const dim3 grid(p.num_rows, p.Hkv, p.P);
-  if (cap)
-    group_mma_decode_kernel<T, D, true><<<grid, C::NT, C::SMEM, st>>>(p);
-  else
-    group_mma_decode_kernel<T, D, false><<<grid, C::NT, C::SMEM, st>>>(p);
-  int e = (int)cudaGetLastError();
+  const int e = launch_pdl(cap ? group_mma_decode_kernel<T, D, true> : group_mma_decode_kernel<T, D, false>, grid,
+                           dim3(C::NT), C::SMEM, st, p);
   if (e != 0) return e;
-  if (p.P > 1) row_reduce_kernel<T><<<dim3(p.num_rows, p.H), D, 0, st>>>(p, D);
-  return (int)cudaGetLastError();
+  return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
 }
 
 template <typename T, int D>

@@ -11,7 +11,8 @@
 // multiplies the sum by float(1 / n), and so does this file.
 //
 // Rows are read and written with 16-byte vectors; the Python side checks alignment (and falls back
-// to torch when a tensor is not aligned).
+// to torch when a tensor is not aligned). Every kernel here reads only what the kernel before it wrote, so
+// each starts with PAGEDNB_PDL_ENTER() and is launched with launch_pdl (common.cuh).
 #include <type_traits>
 
 #include "common.cuh"
@@ -21,9 +22,6 @@ namespace pagednb {
 
 namespace {
 
-template <typename T> __device__ __forceinline__ float round_to(float x) {
-  return Elem<T>::to_float(Elem<T>::from_float(x));
-}
 __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
 
@@ -68,13 +66,12 @@ __device__ __forceinline__ float block_sum(float v) {
 // between the sum of squares and the output). With a residual: s = round(x + residual) is written to
 // residual_out and normalised; out = round(w * round(s * rsqrt(mean(s^2) + eps))), or with the weight in
 // float32 (NormWeight) round(s * rsqrt(mean(s^2) + eps) * (w + offset)).
-constexpr int kNormMaxThreads = 512;
-
 template <typename T, int ITERS, bool RESIDUAL>
 __global__ void __launch_bounds__(kNormMaxThreads)
     rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out, const T* __restrict__ x, int64_t x_stride,
                     const T* __restrict__ residual, int64_t residual_stride, const T* __restrict__ weight,
                     int hidden, float eps, float inv_n, NormWeight style) {
+  PAGEDNB_PDL_ENTER();
   constexpr int VEC = Elem<T>::kVec;
   const int64_t row = blockIdx.x;
   const int nvec = hidden / VEC;
@@ -115,22 +112,18 @@ __global__ void __launch_bounds__(kNormMaxThreads)
 
 template <typename T, bool RESIDUAL>
 int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
-  const int nvec = a.hidden / Elem<T>::kVec;
-  int iters = 1, threads = 0;
-  for (; iters <= 8; iters *= 2) {  // the fewest vectors per thread that fit in kNormMaxThreads
-    threads = ((nvec + iters - 1) / iters + 31) / 32 * 32;
-    if (threads <= kNormMaxThreads) break;
-  }
+  const NormCta cta = rms_norm_cta(a.hidden / Elem<T>::kVec);  // (common.cuh)
+  const int iters = cta.iters, threads = cta.threads;
   T* out = static_cast<T*>(a.out);
   T* res_out = static_cast<T*>(a.residual_out);
   const T* x = static_cast<const T*>(a.x);
   const T* res = static_cast<const T*>(a.residual);
   const T* w = static_cast<const T*>(a.weight);
   const float inv_n = 1.0f / (float)a.hidden;
-#define PAGEDNB_RMS_LAUNCH(IT)                                                                            \
-  rms_norm_kernel<T, IT, RESIDUAL><<<a.rows, threads, 0, st>>>(out, res_out, x, a.x_stride, res,            \
-                                                              a.residual_stride, w, a.hidden, a.eps, inv_n, \
-                                                              a.style);                                    \
+  int e = 0;
+#define PAGEDNB_RMS_LAUNCH(IT)                                                                                 \
+  e = launch_pdl(rms_norm_kernel<T, IT, RESIDUAL>, dim3(a.rows), dim3(threads), 0, st, out, res_out, x,         \
+                 a.x_stride, res, a.residual_stride, w, a.hidden, a.eps, inv_n, a.style);                       \
   break;
   switch (iters) {
     case 1: PAGEDNB_RMS_LAUNCH(1)
@@ -140,7 +133,7 @@ int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
     default: return -1;  // more than 8 * kNormMaxThreads vectors per row
   }
 #undef PAGEDNB_RMS_LAUNCH
-  return (int)cudaGetLastError();
+  return e;
 }
 
 template <typename T>
@@ -172,6 +165,7 @@ struct QkCfg {
 
 template <typename T, int D, bool NORM>
 __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
+  PAGEDNB_PDL_ENTER();
   using C = QkCfg<T, D>;
   constexpr int VEC = C::VEC, LANES = C::LANES, E = C::E, NV = C::NV;
   const bool write_cache = a.v != nullptr;
@@ -262,11 +256,8 @@ int launch_qk_norm_rope_d(const QkRopeArgs& a, cudaStream_t st) {
   const int64_t items = (int64_t)a.num_tokens * (a.num_heads + a.num_kv_heads * (a.v != nullptr ? 2 : 1));
   const int64_t blocks = (items + C::ITEMS - 1) / C::ITEMS;
   if (blocks > 0x7fffffff) return -1;
-  if (a.q_weight != nullptr)
-    qk_norm_rope_kernel<T, D, true><<<(unsigned)blocks, C::THREADS, 0, st>>>(a);
-  else
-    qk_norm_rope_kernel<T, D, false><<<(unsigned)blocks, C::THREADS, 0, st>>>(a);
-  return (int)cudaGetLastError();
+  return launch_pdl(a.q_weight != nullptr ? qk_norm_rope_kernel<T, D, true> : qk_norm_rope_kernel<T, D, false>,
+                    dim3((unsigned)blocks), dim3(C::THREADS), 0, st, a);
 }
 
 template <typename T>
@@ -287,6 +278,7 @@ int launch_qk_norm_rope_dtype(const QkRopeArgs& a, cudaStream_t st) {
 template <typename T>
 __global__ void __launch_bounds__(256) silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
                                                            int64_t stride, int inter, int64_t total_vecs) {
+  PAGEDNB_PDL_ENTER();
   constexpr int VEC = Elem<T>::kVec;
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= total_vecs) return;
@@ -298,10 +290,7 @@ __global__ void __launch_bounds__(256) silu_and_mul_kernel(T* __restrict__ out, 
   ldg_vec(g, gv);
   ldg_vec(g + inter, uv);
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) {
-    const float silu = round_to<T>(__fdiv_rn(gv[e], add(1.0f, expf(-gv[e]))));
-    gv[e] = mul(silu, uv[e]);
-  }
+  for (int e = 0; e < VEC; ++e) gv[e] = silu_and_mul<T>(gv[e], uv[e]);
   store_vec(out + row * inter + col, gv);
 }
 
@@ -310,9 +299,8 @@ int launch_silu_and_mul_dtype(void* out, const void* gate_up, int64_t stride, in
   const int64_t total = (int64_t)rows * (inter / Elem<T>::kVec);
   const int64_t blocks = (total + 255) / 256;
   if (blocks > 0x7fffffff) return -1;
-  silu_and_mul_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(static_cast<T*>(out), static_cast<const T*>(gate_up),
-                                                          stride, inter, total);
-  return (int)cudaGetLastError();
+  return launch_pdl(silu_and_mul_kernel<T>, dim3((unsigned)blocks), dim3(256), 0, st, static_cast<T*>(out),
+                    static_cast<const T*>(gate_up), stride, inter, total);
 }
 
 }  // namespace

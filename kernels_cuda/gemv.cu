@@ -12,6 +12,20 @@
 // with a reduce-scatter butterfly (31 shuffles for 32 sums instead of 160), ending with one total per
 // lane group; the 4 warps of a shared row add their totals in warp order.
 //
+// Input (GemvInput): x itself, or RMSNorm(x + residual) (a block's first projection without the norm's
+// launch): every CTA adds and normalises the 1-2 input rows itself into shared memory (a 1024-wide row is
+// 2-4 KB from L2, less than the 4 warps' own x reads), and CTA 0 writes x + residual, the residual stream,
+// for the next block. Output (silu_and_mul): y itself, or for weight rows [gate | up] (a gated MLP's
+// gate/up projection) SiLU(gate) * up: each warp takes the row pair (p, p + N/2), so a gate and its up
+// meet in one warp and the activation is written without the SiLU kernel's launch (and without the
+// [M, N] round trip). Both round exactly as fused_ops.cu's kernels do (the norm's sum of squares in its
+// RMSNorm kernel's order; gate and up rounded to T first, as the unfused GEMV writes them), so fused or
+// not, a layer gives the same bits.
+//
+// Programmatic dependent launch (common.cuh): the weights are read by no earlier kernel's writes, so each
+// warp issues its first group of weight loads (for a 1024-wide or a narrow weight: all of its share)
+// before pdl_wait(); the weight stream then starts while the kernel before it is still finishing.
+//
 // Numerics: float32 accumulation, one rounding to the output dtype (as cuBLAS), bias added in float32
 // before it. The order of the additions for one output element depends only on N and K (which layout,
 // which chunks), never on M, R or the batch around the row, so a row's result is the same whether it
@@ -54,19 +68,126 @@ __device__ __forceinline__ float warp_reduce_scatter(float (&v)[V], int lane) {
   return v[0];
 }
 
-// WK warps share each group of R rows (WK = 1: a warp's own rows; WK = 4: all 4 warps on one row).
-template <typename T, int MM, int R, int WK>
+// The kU chunks of weight rows wrow starting at chunk c0 (every WK-th chunk), zeros past K.
+template <typename T, int R, int WK>
+__device__ __forceinline__ void load_weights(const T* const (&wrow)[R], int K, int c0, int lane,
+                                             uint4 (&w)[kGemvUnroll][R]) {
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    const int k = (c0 + u * WK) * kGemvChunk + lane * 8;
+#pragma unroll
+    for (int r = 0; r < R; ++r) w[u][r] = k < K ? ldg16(wrow[r] + k) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// kGemvRmsNorm: the CTA's input rows RMSNorm(x + residual) into xs [M][K] (shared memory), as fused_ops.cu's
+// rms_norm_kernel computes them: s = round(x + residual), the float32 sum of squares of s, scale =
+// rsqrt(sum / K + eps), the weight applied as NormWeight says; CTA 0 writes s to residual_out. The sum is
+// added in that kernel's order: its CTA of cta.threads threads (rms_norm_cta) is played by this CTA's 128,
+// each standing in for up to 4 of them (virtual thread t + 128 j), so both kernels give the same bits.
+constexpr int kNormVirtual = kNormMaxThreads / (kGemvWarps * 32);
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&v)[8]) {  // rounds to T (exact for values in T)
+  *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),
+                                            pack2<T>(v[6], v[7]));
+}
+
+__device__ __forceinline__ float butterfly_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <typename T, int MM>
+__device__ __forceinline__ void normalise_rows(const GemvArgs& a, T* xs) {
+  __shared__ float partial[MM][kNormMaxThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nvec = a.K / 8;
+  const int vthreads = rms_norm_cta(nvec).threads;
+  const float inv_n = 1.0f / (float)a.K;
+#pragma unroll
+  for (int m = 0; m < MM; ++m) {
+    if (m >= a.M) break;
+    const T* x = static_cast<const T*>(a.x) + (int64_t)m * a.x_stride;
+    const T* res = static_cast<const T*>(a.residual) + (int64_t)m * a.residual_stride;
+    T* row = xs + m * a.K;
+#pragma unroll
+    for (int j = 0; j < kNormVirtual; ++j) {
+      const int vt = threadIdx.x + j * kGemvWarps * 32;
+      float ss = 0.f;
+      for (int i = vt; vt < vthreads && i < nvec; i += vthreads) {
+        float v[8];
+        Elem<T>::unpack(ldg16(x + i * 8), v);
+        if (a.residual != nullptr) {
+          float r[8];
+          Elem<T>::unpack(ldg16(res + i * 8), r);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = round_to<T>(__fadd_rn(v[e], r[e]));
+          if (blockIdx.x == 0) store8(static_cast<T*>(a.residual_out) + (int64_t)m * a.K + i * 8, v);
+        }
+        store8(row + i * 8, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = __fadd_rn(ss, __fmul_rn(v[e], v[e]));
+      }
+      ss = butterfly_sum(ss);  // virtual warp warp + 4 j
+      if (lane == 0) partial[m][warp + j * kGemvWarps] = ss;
+    }
+    __syncthreads();
+    const float total = butterfly_sum(lane < vthreads / 32 ? partial[m][lane] : 0.f);
+    const float scale = rsqrtf(__fadd_rn(__fmul_rn(total, inv_n), a.eps));
+    for (int i = threadIdx.x; i < nvec; i += kGemvWarps * 32) {  // each vector read and rewritten by one thread
+      float v[8], w[8];
+      Elem<T>::unpack(*reinterpret_cast<const uint4*>(row + i * 8), v);
+      Elem<T>::unpack(ldg16(static_cast<const T*>(a.norm_weight) + i * 8), w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        v[e] = a.norm_style.in_float32 ? __fmul_rn(__fmul_rn(v[e], scale), __fadd_rn(w[e], a.norm_style.offset))
+                                       : __fmul_rn(w[e], round_to<T>(__fmul_rn(v[e], scale)));
+      store8(row + i * 8, v);
+    }
+  }
+  __syncthreads();
+}
+
+// Elements k..k+7 of input row m: x's own, or (NORM) the normalised rows xs.
+template <typename T, bool NORM>
+__device__ __forceinline__ void load_input(const GemvArgs& a, const T* xs, int m, int k, float (&xf)[8]) {
+  if constexpr (NORM) {
+    Elem<T>::unpack(*reinterpret_cast<const uint4*>(xs + m * a.K + k), xf);
+  } else {
+    Elem<T>::unpack(ldg16(static_cast<const T*>(a.x) + (int64_t)m * a.x_stride + k), xf);
+  }
+}
+
+// WK warps share each group of R rows (WK = 1: a warp's own rows; WK = 4: all 4 warps on one row group).
+// A group is rows unit * R .. + R - 1, or with GATED (R = 2) the pair (unit, unit + N/2).
+template <typename T, int MM, int R, int WK, bool NORM, bool GATED>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a) {
   constexpr int V = MM * R, GROUPS = kGemvWarps / WK;
   static_assert(V <= 32 && (V & (V - 1)) == 0, "M x R must be a power of two <= 32");
+  static_assert(!GATED || R == 2, "a gated group is one (gate, up) pair");
   __shared__ float partial[WK > 1 ? kGemvWarps : 1][V];
+  extern __shared__ __align__(16) unsigned char gemv_smem[];  // NORM: the input rows [M][K] of T
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = warp / WK, ks = warp % WK;
-  const int n0 = (blockIdx.x * GROUPS + group) * R;
-  const T* x = static_cast<const T*>(a.x);
+  const int unit = blockIdx.x * GROUPS + group, half = a.N / 2;
   const T* wrow[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) wrow[r] = static_cast<const T*>(a.weight) + (int64_t)min(n0 + r, a.N - 1) * a.K;
+  for (int r = 0; r < R; ++r) {
+    const int n = GATED ? min(unit, half - 1) + r * half : min(unit * R + r, a.N - 1);
+    wrow[r] = static_cast<const T*>(a.weight) + (int64_t)n * a.K;
+  }
+
+  uint4 w[kGemvUnroll][R];
+  load_weights<T, R, WK>(wrow, a.K, ks, lane, w);  // before the wait: no kernel writes weights
+  if constexpr (NORM) {  // nor the norm's: on their way to L2 while the kernel before finishes
+    for (int i = threadIdx.x * 8; i < a.K; i += kGemvWarps * 32 * 8)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const T*>(a.norm_weight) + i));
+  }
+  pdl_launch_dependents();
+  pdl_wait();
+  T* xs = reinterpret_cast<T*>(gemv_smem);
+  if constexpr (NORM) normalise_rows<T, MM>(a, xs);
 
   float acc[V];
 #pragma unroll
@@ -74,13 +195,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
 
   const int nchunks = (a.K + kGemvChunk - 1) / kGemvChunk;
   for (int c0 = ks; c0 < nchunks; c0 += WK * kGemvUnroll) {
-    uint4 w[kGemvUnroll][R];
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      const int k = (c0 + u * WK) * kGemvChunk + lane * 8;
-#pragma unroll
-      for (int r = 0; r < R; ++r) w[u][r] = k < a.K ? ldg16(wrow[r] + k) : make_uint4(0, 0, 0, 0);
-    }
+    if (c0 != ks) load_weights<T, R, WK>(wrow, a.K, c0, lane, w);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int k = (c0 + u * WK) * kGemvChunk + lane * 8;
@@ -92,7 +207,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
       for (int m = 0; m < MM; ++m) {
         if (m < a.M) {
           float xf[8];
-          Elem<T>::unpack(ldg16(x + (int64_t)m * a.x_stride + k), xf);
+          load_input<T, NORM>(a, xs, m, k, xf);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -112,31 +227,55 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
 #pragma unroll
     for (int i = 1; i < WK; ++i) total += partial[warp + i][idx];  // warp order
   }
-  const int m = idx / R, n = n0 + idx % R;
-  if (holder && m < a.M && n < a.N) {
-    if (a.bias != nullptr) total += Elem<T>::to_float(static_cast<const T*>(a.bias)[n]);
-    static_cast<T*>(a.out)[(int64_t)m * a.out_stride + n] = Elem<T>::from_float(total);
+  const int m = idx / R, r = idx % R;
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out) + (int64_t)m * a.out_stride;
+  if constexpr (GATED) {
+    const float up = __shfl_down_sync(0xffffffffu, total, 32 / V);  // the pair's up total: the next value
+    if (holder && r == 0 && m < a.M && unit < half) {
+      const float g = bias != nullptr ? total + Elem<T>::to_float(bias[unit]) : total;
+      const float u = bias != nullptr ? up + Elem<T>::to_float(bias[unit + half]) : up;
+      out[unit] = Elem<T>::from_float(silu_and_mul<T>(round_to<T>(g), round_to<T>(u)));
+    }
+  } else {
+    const int n = unit * R + r;
+    if (holder && m < a.M && n < a.N) {
+      if (bias != nullptr) total += Elem<T>::to_float(bias[n]);
+      out[n] = Elem<T>::from_float(total);
+    }
   }
 }
 
-template <typename T, int MM, int R, int WK>
+template <typename T, int MM, int R, int WK, bool NORM, bool GATED>
 int launch_gemv_shape(const GemvArgs& a, cudaStream_t st) {
-  constexpr int rows_per_cta = kGemvWarps / WK * R;
-  const unsigned blocks = (unsigned)((a.N + rows_per_cta - 1) / rows_per_cta);
-  gemv_kernel<T, MM, R, WK><<<blocks, kGemvWarps * 32, 0, st>>>(a);
-  return (int)cudaGetLastError();
+  constexpr int groups = kGemvWarps / WK;
+  const int units = GATED ? a.N / 2 : (a.N + R - 1) / R;
+  const unsigned blocks = (unsigned)((units + groups - 1) / groups);
+  const size_t smem = NORM ? (size_t)a.M * a.K * sizeof(T) : 0;
+  return launch_pdl(gemv_kernel<T, MM, R, WK, NORM, GATED>, dim3(blocks), dim3(kGemvWarps * 32), smem, st, a);
 }
 
-template <typename T, int MM>
+template <typename T, int MM, bool NORM, bool GATED>
 int launch_gemv_rows(const GemvArgs& a, cudaStream_t st) {
-  // the layout depends on N only (never on M), so a row's sums are the same for every batch size
-  return a.N >= 4096 ? launch_gemv_shape<T, MM, 2, 1>(a, st) : launch_gemv_shape<T, MM, 1, 4>(a, st);
+  // the layout depends on N only (never on M), so a row's sums are the same for every batch size, and a
+  // gated pair's are those of the same rows unfused (two rows per group or one: the same per-row order)
+  if (a.N >= 4096) return launch_gemv_shape<T, MM, 2, 1, NORM, GATED>(a, st);
+  return launch_gemv_shape<T, MM, GATED ? 2 : 1, 4, NORM, GATED>(a, st);
+}
+
+template <typename T, bool NORM, bool GATED>
+int launch_gemv_rows_in(const GemvArgs& a, cudaStream_t st) {
+  static_assert(kGemvMaxRows == 2, "one instantiation per row count");
+  return a.M <= 1 ? launch_gemv_rows<T, 1, NORM, GATED>(a, st) : launch_gemv_rows<T, 2, NORM, GATED>(a, st);
 }
 
 template <typename T>
 int launch_gemv_dtype(const GemvArgs& a, cudaStream_t st) {
-  static_assert(kGemvMaxRows == 2, "one instantiation per row count");
-  return a.M <= 1 ? launch_gemv_rows<T, 1>(a, st) : launch_gemv_rows<T, 2>(a, st);
+  static_assert(kGemvMaxNormWidth * kGemvMaxRows * 2 <= 48 * 1024, "normalised rows within the default smem");
+  const bool norm = a.input == kGemvRmsNorm;
+  if (a.silu_and_mul)
+    return norm ? launch_gemv_rows_in<T, true, true>(a, st) : launch_gemv_rows_in<T, false, true>(a, st);
+  return norm ? launch_gemv_rows_in<T, true, false>(a, st) : launch_gemv_rows_in<T, false, false>(a, st);
 }
 
 }  // namespace

@@ -50,6 +50,10 @@ inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant) {
   return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= 4 && G <= 16 && head_dim == 64;
 }
 
+// Whether the launchers ask for programmatic dependent launch (common.cuh's launch_pdl): the current device is
+// sm_90 or later and PAGEDNB_PDL is not "0" (read once per process, for A/B runs). Defined in bindings.cpp.
+bool pdl_enabled();
+
 // Each launcher returns 0 or a CUDA error code (cudaError_t as int); -1: unsupported configuration.
 // Row (decode / float32) kernel, one definition per dtype file (decode_<dtype>.cu):
 int launch_row_f32(int head_dim, const AttnParams& p, void* stream);
@@ -120,7 +124,7 @@ int launch_qk_norm_rope(int dtype, const QkRopeArgs& a, void* stream);
 int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
                         void* stream);
 
-// ---- temperature sampling (sampling.cu) -------------------------------------------------------------------
+// ---- temperature and greedy sampling (sampling.cu) -------------------------------------------------------
 constexpr int kMaxSampleVocab = 1 << 20;
 
 struct SampleArgs {          // element strides
@@ -137,8 +141,26 @@ struct SampleArgs {          // element strides
 
 int launch_sample_temperature(const SampleArgs& a, void* stream);
 
+struct GreedyArgs {          // element strides
+  const void* logits;        // [rows, vocab] of logits_dtype, row stride row_stride (0 allowed), last dim dense
+  int logits_dtype;          // kFloat32, kFloat16 or kBFloat16
+  int64_t row_stride;
+  int64_t* out;              // [rows] the first index of each row's max, -1 for a NaN/+inf logit or all -inf
+  int rows, vocab;
+};
+
+int launch_sample_greedy(const GreedyArgs& a, void* stream);
+
 // ---- small-batch linear (gemv.cu) -----------------------------------------------------------------------
 constexpr int kGemvMaxRows = 2;
+// An RMSNorm input's rows stay in the CTA's shared memory: at most kGemvMaxRows x this many 16-bit elements.
+constexpr int kGemvMaxNormWidth = 8192;
+
+// How the GEMV forms its input rows from x.
+enum GemvInput : int {
+  kGemvPlain = 0,    // x
+  kGemvRmsNorm = 1,  // RMSNorm(x + residual) as fused_ops.cu's RMSNorm; x + residual also to residual_out
+};
 
 struct GemvArgs {            // out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N]); element strides
   void* out;                 // row stride out_stride, last dim dense
@@ -147,6 +169,15 @@ struct GemvArgs {            // out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N])
   const void* bias;          // nullptr: none
   int64_t x_stride, out_stride;
   int M, N, K;               // M <= kGemvMaxRows; K a multiple of 8; x, weight 16-byte aligned
+  int input;                 // GemvInput
+  int silu_and_mul;          // 1: weight rows are [gate (N/2) | up (N/2)] and out[M, N/2] = SiLU(gate) * up
+  // kGemvRmsNorm only (16-byte aligned rows, K <= kGemvMaxNormWidth):
+  const void* residual;      // nullptr: no residual add
+  void* residual_out;        // [M, K] dense: x + residual (with a residual)
+  const void* norm_weight;   // [K]
+  int64_t residual_stride;
+  float eps;
+  NormWeight norm_style;
 };
 
 int launch_gemv(int dtype, const GemvArgs& a, void* stream);

@@ -1,4 +1,5 @@
-// Temperature sampling in one launch: for each row of logits (float32, or the model's bf16/fp16), the inverse-CDF draw that
+// Temperature sampling in one launch (and, at the end of the file, greedy sampling in one launch): for each
+// row of logits (float32, or the model's bf16/fp16), the inverse-CDF draw that
 // pagednb/engine/sampler.py makes with torch (divide by T, max, exp, cumsum, searchsorted: about eight
 // passes over [n, V]), here in one read of the row plus one chunk of it, with no row written back.
 //
@@ -35,6 +36,7 @@
 // order, so the draw is a deterministic function of the row, T and u, whatever the batch; it differs
 // from torch's only when the target lies within float32 rounding (about 1e-6 of the total) of a CDF
 // boundary.
+#include <climits>
 #include <type_traits>
 
 #include "common.cuh"
@@ -192,6 +194,7 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
     sample_temperature_kernel(const L* __restrict__ logits, int64_t row_stride, const float* __restrict__ temperature,
                               int64_t t_stride, const float* __restrict__ uniforms, int64_t u_stride,
                               int64_t* __restrict__ out, int vocab) {
+  PAGEDNB_PDL_ENTER();
   constexpr int CH = ChunkCfg<VEC>::kSize;
   extern __shared__ float2 stats[];  // [nchunks] (m_c, s_c)
   const int64_t r = blockIdx.x;
@@ -287,10 +290,9 @@ int launch_sample_vec(const SampleArgs& a, cudaStream_t st) {
   const int nchunks = (a.vocab + ChunkCfg<VEC>::kSize - 1) / ChunkCfg<VEC>::kSize;
   if (nchunks > kMaxSampleChunks) return -1;
   const int warps = nchunks < kSampleWarps ? nchunks : kSampleWarps;
-  sample_temperature_kernel<L, VEC><<<a.rows, warps * 32, nchunks * sizeof(float2), st>>>(
-      static_cast<const L*>(a.logits), a.row_stride, a.temperature, a.t_stride, a.uniforms, a.u_stride, a.out,
-      a.vocab);
-  return (int)cudaGetLastError();
+  return launch_pdl(sample_temperature_kernel<L, VEC>, dim3(a.rows), dim3(warps * 32), nchunks * sizeof(float2), st,
+                    static_cast<const L*>(a.logits), a.row_stride, a.temperature, a.t_stride, a.uniforms, a.u_stride,
+                    a.out, a.vocab);
 }
 
 template <typename L>
@@ -301,7 +303,95 @@ int launch_sample_dtype(const SampleArgs& a, cudaStream_t st) {
   return vec4 ? launch_sample_vec<L, 4>(a, st) : launch_sample_vec<L, 1>(a, st);
 }
 
+// ---- greedy: the argmax and the validity flag in one launch ----------------------------------------------
+// The first index of the row's max logit (torch's tie rule for max and argmax), or -1 where the row has no
+// valid distribution: a NaN or +inf logit, or every logit -inf (in torch: max, isfinite and where, three
+// launches after the step's graph). One CTA per row; each thread visits its tokens in increasing order,
+// kGreedyLoads vectors in flight, keeping its first max (strict >); the CTA then keeps the larger value, the
+// smaller index on a tie. Exact: a 16-bit logit's conversion to float32 is exact and nothing is rounded.
+constexpr int kGreedyThreads = 1024;
+constexpr int kGreedyLoads = 4;
+
+template <typename L, int VEC>
+__device__ __forceinline__ void load_logits(const L* __restrict__ row, int j, float (&l)[VEC]) {
+  if constexpr (VEC == 1) {
+    l[0] = Elem<L>::to_float(row[j]);
+  } else {
+    static_assert(VEC == Elem<L>::kVec, "16-byte vectors");
+    Elem<L>::unpack(ldg16(row + j), l);
+  }
+}
+
+// (v, j) of the pair that wins: the larger value, the smaller index among equal values.
+__device__ __forceinline__ void keep_max(float& v, int& j, float ov, int oj) {
+  if (ov > v || (ov == v && oj < j)) { v = ov; j = oj; }
+}
+
+template <typename L, int VEC>
+__global__ void __launch_bounds__(kGreedyThreads) greedy_kernel(const L* __restrict__ logits, int64_t row_stride,
+                                                                int64_t* __restrict__ out, int vocab) {
+  PAGEDNB_PDL_ENTER();
+  __shared__ float s_v[kGreedyThreads / 32];
+  __shared__ int s_j[kGreedyThreads / 32];
+  const L* row = logits + (int64_t)blockIdx.x * row_stride;
+  constexpr int kStride = kGreedyThreads * VEC;
+  float best = -INFINITY;
+  int best_j = INT_MAX;  // stays so for a row of -inf
+  bool bad = false;      // a NaN or +inf logit
+  for (int j0 = threadIdx.x * VEC; j0 < vocab; j0 += kGreedyLoads * kStride) {
+    float l[kGreedyLoads][VEC];
+#pragma unroll
+    for (int i = 0; i < kGreedyLoads; ++i) {
+      if (j0 + i * kStride < vocab) {
+        load_logits<L, VEC>(row, j0 + i * kStride, l[i]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) l[i][e] = -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kGreedyLoads; ++i)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float v = l[i][e];
+        bad |= !(v < INFINITY);
+        if (v > best) { best = v; best_j = j0 + i * kStride + e; }
+      }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    keep_max(best, best_j, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_j, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) { s_v[warp] = best; s_j[warp] = best_j; }
+  bad = __syncthreads_or(bad);  // also the barrier before s_v is read
+  if (warp != 0) return;
+  best = lane < kGreedyThreads / 32 ? s_v[lane] : -INFINITY;
+  best_j = lane < kGreedyThreads / 32 ? s_j[lane] : INT_MAX;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    keep_max(best, best_j, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_j, o));
+  if (lane == 0) out[blockIdx.x] = bad || best_j == INT_MAX ? -1 : best_j;
+}
+
+template <typename L>
+int launch_greedy_dtype(const GreedyArgs& a, cudaStream_t st) {
+  // 16-byte loads when the row start, stride and length allow them
+  constexpr int VEC = Elem<L>::kVec;
+  const bool vec = reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && a.row_stride % VEC == 0 && a.vocab % VEC == 0;
+  const L* logits = static_cast<const L*>(a.logits);
+  return vec ? launch_pdl(greedy_kernel<L, VEC>, dim3(a.rows), dim3(kGreedyThreads), 0, st, logits, a.row_stride,
+                          a.out, a.vocab)
+             : launch_pdl(greedy_kernel<L, 1>, dim3(a.rows), dim3(kGreedyThreads), 0, st, logits, a.row_stride,
+                          a.out, a.vocab);
+}
+
 }  // namespace
+
+int launch_sample_greedy(const GreedyArgs& a, void* stream) {
+  if (a.rows <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return with_dtype(a.logits_dtype, [&](auto t) { return launch_greedy_dtype<decltype(t)>(a, st); });
+}
 
 int launch_sample_temperature(const SampleArgs& a, void* stream) {
   if (a.rows <= 0) return 0;

@@ -12,6 +12,11 @@ float rounding only), for V = 37, 1000, 151936 and strided rows; 200k draws foll
 rows with NaN, +inf or only -inf logits (or an overflow of l / T) are flagged with -1 and change
 nothing for the other rows; a row's token does not depend on its batch; a CUDA graph replays the
 eager result; and the sampler draws the same tokens for seeded rows with or without the kernel.
+
+The greedy kernel (`sampling_kernel.greedy`, the sampler's greedy rows): on CPU it declines and the
+sampler's torch path runs; on a GPU its token is torch's `max` index (the first of tied maxima) for
+float32, bf16 and fp16 rows, dense, strided and unaligned, and -1 exactly where torch's max is not finite
+(NaN, +inf, all -inf), row by row; it replays in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -462,3 +467,92 @@ def test_sampler_draws_the_same_seeded_tokens_with_or_without_the_kernel(kernel,
     without = run()
     # ties to a CDF boundary within float32 rounding are possible in principle; with these seeds, none
     assert torch.equal(with_kernel, without)
+
+
+# ---- greedy ------------------------------------------------------------------------------------------------
+def _torch_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The sampler's torch path: max's index, -1 where the max is not finite."""
+    top, ids = logits.max(-1)
+    return torch.where(top.isfinite(), ids, -1)
+
+
+def test_greedy_declines_cpu_tensors_and_the_sampler_runs_torch():
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    assert sampling_kernel.greedy(logits) is None
+    md = metadata([SamplingParams(temperature=0)] * 3, None, vocab=50)
+    assert torch.equal(Sampler()(logits, md).token_ids, _torch_greedy(logits))
+
+
+def _greedy(kernel, logits):
+    got = kernel.greedy(logits)
+    assert got is not None, "the kernel declined these inputs"
+    assert got.dtype == torch.int64 and got.shape == (logits.shape[0],)
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("vocab", [1, 37, 1000, 151936])
+@pytest.mark.parametrize("layout", ["dense", "aligned", "odd"])
+def test_greedy_is_torchs_argmax_with_ties_to_the_first_index(kernel, dtype, vocab, layout):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=gen) * 3).to(device="cuda", dtype=dtype)
+    if layout != "dense":  # rows vocab + 16 apart, from 8 elements in (16-byte vectors where vocab allows) or 3
+        start = 8 if layout == "aligned" else 3
+        base = torch.zeros(6, vocab + 16, dtype=dtype, device="cuda")
+        logits = base[:, start:start + vocab].copy_(logits)
+    if vocab > 1:  # ties: the row's max at several positions, the first must win
+        top = logits.float().max().item() + 1
+        logits[1, vocab // 3] = top
+        logits[1, vocab - 1] = top
+        logits[2, :] = 0.5
+    assert torch.equal(_greedy(kernel, logits), _torch_greedy(logits))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [37, 151936])
+def test_greedy_flags_rows_without_a_valid_distribution_alone(kernel, dtype, vocab):
+    gen = torch.Generator().manual_seed(3)
+    logits = row_logits(6, vocab, gen, device="cuda").to(dtype)
+    logits[1, vocab - 1] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :] = float("-inf")
+    logits[4, vocab // 2] = -1e30 if dtype == torch.float32 else -1e4  # one finite logit: a valid row
+    got = _greedy(kernel, logits)
+    assert got.tolist()[1:4] == [-1, -1, -1]
+    assert torch.equal(got, _torch_greedy(logits))
+    assert got[4].item() == vocab // 2
+
+
+@gpu
+def test_greedy_replays_in_a_cuda_graph(kernel):
+    gen = torch.Generator().manual_seed(5)
+    static_logits = torch.empty(4, 151936, device="cuda", dtype=torch.bfloat16)
+    static_logits.copy_(torch.randn(4, 151936, generator=gen))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _greedy(kernel, static_logits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _greedy(kernel, static_logits)
+    for _ in range(3):
+        static_logits.copy_(torch.randn(4, 151936, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, _torch_greedy(static_logits))
+
+
+@gpu
+def test_the_samplers_greedy_rows_go_through_the_kernel(kernel, monkeypatch):
+    logits = torch.randn(3, 1000, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = sampling_kernel.greedy
+    monkeypatch.setattr(sampler_module, "greedy", lambda x: calls.append(x) or real(x))
+    md = metadata([SamplingParams(temperature=0)] * 3, None, vocab=1000, device="cuda")
+    assert torch.equal(Sampler()(logits, md).token_ids, _torch_greedy(logits))
+    assert len(calls) == 1 and calls[0].dtype == torch.bfloat16

@@ -9,7 +9,15 @@ weights of fewer than 4,096 rows), where benchmarks/linear.py measured the kerne
   * a row's output is bit for bit the same alone, beside another row, and in a CUDA graph replay: the
     order of its float32 sums depends only on the weight's shape;
   * strided rows and leading dimensions are served; inputs the kernel does not serve (3 rows, 2 rows of
-    a wide weight, float32, misaligned rows, K % 8 != 0) are exactly F.linear.
+    a wide weight, float32, misaligned rows, K % 8 != 0) are exactly F.linear;
+  * `linear_silu_and_mul` (a gated MLP's gate/up projection, the GEMV applying SiLU(gate) * up to its own
+    outputs) gives the bits of the GEMV followed by the SiLU kernel, wide and narrow weights, with a plain
+    or a normed input, in and out of a CUDA graph, and is silu_and_mul(linear(...)) wherever the GEMV does
+    not serve (CPU, 3 rows);
+  * a `NormedInput` (RMSNorm(hidden + residual), a block's first projection) gives the bits of the RMSNorm
+    kernel followed by the GEMV (its sum of squares added in that kernel's order) at hidden 512 to 8192,
+    for Llama's, OLMo 2's and Gemma's norm weights, with and without a residual; its `stream` is hidden +
+    residual exactly; 3 rows and CPU tensors run the norm first.
 """
 from __future__ import annotations
 
@@ -20,7 +28,8 @@ import torch.nn.functional as F
 from gpu_support import built_kernels, gpu
 
 from pagednb.model import small_linear
-from pagednb.model.small_linear import Linear, gemv_serves, linear
+from pagednb.model.fused_ops import rms_norm, rms_norm_reference, silu_and_mul, silu_and_mul_reference
+from pagednb.model.small_linear import Linear, NormedInput, gemv_serves, linear, linear_silu_and_mul
 
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
 
@@ -31,6 +40,28 @@ def test_linear_is_f_linear_on_cpu():
     x, w, b = torch.randn(3, 5, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_linear_silu_and_mul_is_the_projection_then_silu_and_mul_on_cpu():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 64, generator=gen), torch.randn(80, 64, generator=gen), torch.randn(80, generator=gen)
+    assert torch.equal(linear_silu_and_mul(x, w, b), silu_and_mul_reference(F.linear(x, w, b)))
+    normed = NormedInput(x, x.flip(0), torch.randn(64, generator=gen), 1e-6, None)
+    expected = silu_and_mul_reference(F.linear(rms_norm_reference(x + x.flip(0), normed.weight, 1e-6), w, b))
+    assert torch.equal(linear_silu_and_mul(normed, w, b), expected)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
+def test_a_normed_input_is_the_norm_then_the_projection_on_cpu(residual):
+    gen = torch.Generator().manual_seed(1)
+    h, r = torch.randn(2, 3, 64, generator=gen), torch.randn(2, 3, 64, generator=gen)
+    norm_w, w = torch.randn(64, generator=gen), torch.randn(40, 64, generator=gen)
+    x = NormedInput(h, r if residual else None, norm_w, 1e-6, None)
+    out = Linear(64, 40, bias=False).requires_grad_(False)
+    out.weight.copy_(w)
+    stream = h + r if residual else h
+    assert torch.equal(out(x), F.linear(rms_norm_reference(stream, norm_w, 1e-6), w))
+    assert torch.equal(x.stream, stream)
 
 
 def test_linear_module_keeps_nn_linear_parameters_and_names():
@@ -155,3 +186,123 @@ def test_replays_in_a_cuda_graph_on_new_inputs(kernel):
     torch.cuda.synchronize()
     assert torch.equal(static_out, linear(fresh, w, b))
     assert torch.equal(static_out, kernel.gemv(fresh, w, b))
+
+
+# ---- GPU: SiLU(gate) * up applied by the GEMV to its own outputs ------------------------------------------------
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k", [(6144, 1024), (16384, 2048), (2048, 1024), (80, 64)],
+                         ids=["wide", "wider", "narrow", "tiny"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_silu_output_gives_the_bits_of_the_gemv_then_the_silu_kernel(kernel, dtype, n, k, bias):
+    for m in range(1, kernel.max_rows + 1):
+        x, w, b = _inputs(m, n, k, dtype, seed=m, bias=bias)
+        two_launches = silu_and_mul(kernel.gemv(x, w, b))
+        fused = kernel.gemv(x, w, b, silu_and_mul=True)
+        assert fused is not None and fused.shape == (m, n // 2)
+        assert torch.equal(fused, two_launches)
+        assert torch.equal(two_launches, silu_and_mul_reference(kernel.gemv(x, w, b)))  # the SiLU kernel is torch's
+        if gemv_serves(m, n):
+            assert torch.equal(linear_silu_and_mul(x, w, b), fused)
+
+
+@gpu
+def test_silu_output_with_a_normed_input_and_three_rows(kernel):
+    x = _normed(1, 1024, torch.bfloat16, seed=3, residual=True, style="llama")
+    _, w, b = _inputs(1, 6144, 1024, torch.bfloat16, seed=4, bias=True)
+    expected, stream = _two_launches(_normed(1, 1024, torch.bfloat16, seed=3, residual=True, style="llama"), w, b,
+                                     kernel)
+    assert torch.equal(linear_silu_and_mul(x, w, b), silu_and_mul(expected))
+    assert torch.equal(x.stream, stream)
+    three, _, _ = _inputs(3, 6144, 1024, torch.bfloat16, seed=5)  # cuBLAS, then the SiLU kernel
+    assert torch.equal(linear_silu_and_mul(three, w, b), silu_and_mul(F.linear(three, w, b)))
+
+
+@gpu
+def test_silu_output_replays_in_a_cuda_graph(kernel):
+    static, w, _ = _inputs(1, 6144, 1024, torch.bfloat16, seed=11)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        linear_silu_and_mul(static, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_silu_and_mul(static, w)
+    fresh, _, _ = _inputs(1, 6144, 1024, torch.bfloat16, seed=13)
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, silu_and_mul(kernel.gemv(fresh, w, None)))
+
+
+# ---- GPU: RMSNorm(hidden + residual) formed by the GEMV ------------------------------------------------------
+NORM_STYLES = {"llama": None, "float32": 0.0, "gemma": 1.0}  # weight_offset of each (layers.NORM_WEIGHT_OFFSETS)
+
+
+def _normed(m: int, k: int, dtype: torch.dtype, seed: int, residual: bool, style: str) -> NormedInput:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    h = (torch.randn(m, k, device="cuda", generator=gen) * 3).to(dtype)
+    r = (torch.randn(m, k, device="cuda", generator=gen) * 3).to(dtype) if residual else None
+    norm_w = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(dtype)
+    return NormedInput(h, r, norm_w, 1e-6, NORM_STYLES[style])
+
+
+def _two_launches(x: NormedInput, w: torch.Tensor, b: torch.Tensor | None, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RMSNorm kernel, then the GEMV: (output, stream)."""
+    if x.residual is None:
+        normed, stream = rms_norm(x.hidden, x.weight, x.eps, None, x.weight_offset), x.hidden
+    else:
+        normed, stream = rms_norm(x.hidden, x.weight, x.eps, x.residual, x.weight_offset)
+    return kernel.gemv(normed, w, b), stream
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 1024), (6144, 512), (1024, 2048), (2048, 1536), (512, 8192)])
+@pytest.mark.parametrize("style", sorted(NORM_STYLES))
+@pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
+def test_a_normed_input_gives_the_bits_of_the_norm_kernel_then_the_gemv(kernel, dtype, n, k, style, residual):
+    for m in range(1, kernel.max_rows + 1):
+        x = _normed(m, k, dtype, seed=m, residual=residual, style=style)
+        _, w, b = _inputs(1, n, k, dtype, seed=20 + m, bias=True)
+        expected, stream = _two_launches(x, w, b, kernel)
+        fused = kernel.gemv_rms_norm(x, w, b)
+        assert fused is not None and torch.equal(fused, expected)
+        assert torch.equal(x.stream, stream)
+
+
+@gpu
+def test_linear_routes_a_normed_input_by_its_rows(kernel):
+    layer = Linear(1024, 512, bias=False).to(device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    one = _normed(1, 1024, torch.bfloat16, seed=50, residual=True, style="llama")
+    expected, _ = _two_launches(_normed(1, 1024, torch.bfloat16, seed=50, residual=True, style="llama"),
+                                layer.weight, None, kernel)
+    assert torch.equal(layer(one), expected)
+    three = _normed(3, 1024, torch.bfloat16, seed=51, residual=True, style="llama")  # cuBLAS after the norm kernel
+    normed, stream = rms_norm(three.hidden, three.weight, three.eps, three.residual)
+    assert torch.equal(layer(three), F.linear(normed, layer.weight))
+    assert torch.equal(three.stream, stream)
+
+
+@gpu
+def test_a_normed_input_replays_in_a_cuda_graph(kernel):
+    static = _normed(1, 1024, torch.bfloat16, seed=60, residual=True, style="llama")
+    _, w, _ = _inputs(1, 4096, 1024, torch.bfloat16, seed=61)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernel.gemv_rms_norm(static, w, None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel.gemv_rms_norm(static, w, None)
+        stream = static.stream
+    fresh = _normed(1, 1024, torch.bfloat16, seed=62, residual=True, style="llama")
+    static.hidden.copy_(fresh.hidden)
+    static.residual.copy_(fresh.residual)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh.weight = static.weight  # the captured norm weight, with the new rows
+    expected, expected_stream = _two_launches(fresh, w, None, kernel)
+    assert torch.equal(out, expected) and torch.equal(stream, expected_stream)

@@ -2,7 +2,7 @@
 
 Everything is a batched tensor op over the sampled rows; Python loops only touch rows that need
 their own state (seeded rows draw from their own generator so their tokens do not depend on the
-batch they land in). An all-greedy batch with nothing else to do is a single max.
+batch they land in). An all-greedy batch with nothing else to do is one argmax kernel.
 
 Isolation: one row's numbers never reach another row, and never an out-of-range index. A row whose
 final logits have no valid distribution (NaN or +inf anywhere, which a huge temperature divisor or a
@@ -21,7 +21,7 @@ import torch
 from pagednb.engine.logprobs import PromptLogprobs, num_logprobs, token_logprobs
 from pagednb.engine.logits_processors import LogitsAdjustments, apply_logits_adjustments
 from pagednb.engine.pinned_stager import PinnedStager
-from pagednb.engine.sampling_kernel import sample_with_temperature
+from pagednb.engine.sampling_kernel import greedy, sample_with_temperature
 from pagednb.engine.structured_output import mask_disallowed
 from pagednb.sampling_params import SamplingParams
 
@@ -181,8 +181,12 @@ def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax per row, INVALID_TOKEN_ID where the row's max is not finite. max() propagates NaN, so the
-    row's max alone tells NaN, +inf and all -inf rows apart from good ones, in the same pass as argmax."""
+    """Argmax per row, INVALID_TOKEN_ID where the row's max is not finite: one kernel on the GPU
+    (sampling_kernel.greedy), else torch, where max() propagates NaN, so the row's max alone tells NaN,
+    +inf and all -inf rows apart from good ones, in the same pass as argmax."""
+    token_ids = greedy(logits)
+    if token_ids is not None:
+        return token_ids
     top, token_ids = logits.max(-1)
     return _flag_invalid(token_ids, top)
 

@@ -1,4 +1,4 @@
-"""Temperature sampling (no top-k, top-p or min-p) in one CUDA kernel.
+"""Temperature sampling (no top-k, top-p or min-p) in one CUDA kernel, and greedy in another.
 
 The sampler draws a row's token by inverse CDF in token-id order with one uniform u per row:
 w_j = exp(l_j / T - max(l / T)), and the token is the first j whose running sum of weights reaches
@@ -16,7 +16,12 @@ comment has the design and where its rounding differs.
     library unavailable, a layout it does not take, PAGEDNB_FUSED_OPS=0 read once per process): the
     caller then runs the torch path with the same uniforms, so seeded rows draw the same u either way.
 
-The kernel path allocates with torch.empty only and launches on the current stream, so it can be
+`greedy` is the greedy rows' argmax with the same flag in one launch (kernels_cuda/sampling.cu's end):
+torch takes three (max, isfinite, where) after the step's CUDA graph, about 20 us of a batch-1 step
+(benchmarks/NOTES.md, issue 14). It returns None where the kernel cannot serve, and the sampler runs that
+torch code.
+
+The kernel paths allocate with torch.empty only and launch on the current stream, so they can be
 captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -40,6 +45,16 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, uni
     return None if kernel is None else kernel.sample(logits, temperature, uniforms)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor | None:
+    """Token ids [n] int64 for logits [n, V] float32, bf16 or fp16 (rows may be strided, the last dim dense):
+    each row's first index of its max logit (torch's argmax), -1 for a row with a NaN or +inf logit or
+    only -inf ones; None when the kernel cannot serve these inputs."""
+    if not logits.is_cuda:
+        return None
+    kernel = KERNEL.enabled()
+    return None if kernel is None else kernel.greedy(logits)
+
+
 def sample_with_temperature_reference(logits: torch.Tensor, temperature: torch.Tensor,
                                       uniforms: torch.Tensor) -> torch.Tensor:
     """The sampler's torch path for rows without top-k/top-p/min-p."""
@@ -53,8 +68,8 @@ def sample_with_temperature_reference(logits: torch.Tensor, temperature: torch.T
 
 
 class SamplingKernel:
-    """ctypes call into kernels_cuda/sampling.cu. `sample` returns None for inputs the kernel does not
-    take and raises RuntimeError when a launch fails."""
+    """ctypes calls into kernels_cuda/sampling.cu. `sample` and `greedy` return None for inputs the kernels
+    do not take and raise RuntimeError when a launch fails."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -79,6 +94,21 @@ class SamplingKernel:
             code, logits.data_ptr(), logits.stride(0), temperature.data_ptr(), t_stride, uniforms.data_ptr(),
             u_stride, out.data_ptr(), n, vocab, current_stream(logits))
         check_status(self._lib, rc, "sampling")
+        return out
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor | None:
+        code = self._dtype_codes.get(logits.dtype)
+        if logits.dim() != 2 or code is None:
+            return None
+        n, vocab = logits.shape
+        if vocab == 0 or (logits.stride(1) != 1 and vocab > 1) or logits.stride(0) < 0:
+            return None
+        out = torch.empty(n, dtype=torch.int64, device=logits.device)
+        if n == 0:
+            return out
+        rc = self._lib.pagednb_sample_greedy(code, logits.data_ptr(), logits.stride(0), out.data_ptr(), n, vocab,
+                                             current_stream(logits))
+        check_status(self._lib, rc, "greedy sampling")
         return out
 
 

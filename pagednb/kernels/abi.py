@@ -32,8 +32,11 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagednb_silu_and_mul": ([_I32, _VP, _VP, _I64, _I32, _I32, _VP], _I32),
     # temperature sampling (engine/sampling_kernel.py)
     "pagednb_sample_temperature": ([_I32, _VP, _I64, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _VP], _I32),
+    "pagednb_sample_greedy": ([_I32, _VP, _I64, _VP, _I32, _I32, _VP], _I32),
     # small-batch linear (model/small_linear.py)
-    "pagednb_gemv": ([_I32, _VP, _I64, _VP, _I64, _VP, _VP, _I32, _I32, _I32, _VP], _I32),
+    "pagednb_gemv": ([_I32, _VP, _I64, _VP, _I64, _VP, _VP, _I32, _I32, _I32, _I32, _VP], _I32),
+    "pagednb_gemv_rms_norm": ([_I32, _VP, _I64, _VP, _I64, _VP, _I64, _VP, _VP, _F32, _F32, _I32, _VP, _VP,
+                               _I32, _I32, _I32, _I32, _VP], _I32),
     # fused mixture-of-experts MLP (model/fused_moe.py)
     "pagednb_moe_workspace_bytes": ([_I32, _I32, _I32, _I32, _I32], _I64),
     "pagednb_fused_moe": ([_I32, _VP, _VP, _I64, _VP, _VP, _VP, _VP, _I32, _VP, _I32, _I32, _I32, _I32, _I32, _VP],
@@ -44,8 +47,10 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagednb_max_norm_row_bytes": ([], _I64),
     "pagednb_max_sample_vocab": ([], _I32),
     "pagednb_gemv_max_rows": ([], _I32),
+    "pagednb_gemv_max_norm_width": ([], _I32),
     "pagednb_moe_max_experts": ([], _I32),
     "pagednb_params_size": ([], _I32),
+    "pagednb_pdl_enabled": ([], _I32),
     "pagednb_error_string": ([_I32], ctypes.c_char_p),
 }
 

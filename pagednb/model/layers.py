@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagednb.model.fused_ops import rms_norm, silu_and_mul
-from pagednb.model.small_linear import Linear
+from pagednb.model.fused_ops import rms_norm
+from pagednb.model.small_linear import Linear, NormedInput, linear_silu_and_mul
 
 # How an RMSNorm applies its weight w to the float32-normalised h; each rounds where its HF model does
 # (in float32 all three agree up to Gemma's offset):
@@ -40,6 +40,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return rms_norm(x, self.weight, self.eps, residual, self.weight_offset)
+
+    def deferred(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormedInput:
+        """forward(x, residual), left to the projection that takes it (at 1-2 rows on a GPU, inside its GEMV)."""
+        return NormedInput(x, residual, self.weight, self.eps, self.weight_offset)
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -92,7 +96,8 @@ class MergedLinear(Linear):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one projection. act is SiLU (on a GPU,
-    SiLU and the product are one kernel) or Gemma's tanh-approximated GELU (in torch)."""
+    SiLU and the product are one kernel, or at 1-2 rows part of the gate/up projection's GEMV) or Gemma's
+    tanh-approximated GELU (in torch)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu",
                  fused_in_checkpoint: bool = False) -> None:
@@ -105,9 +110,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.activation = activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
         if self.activation == "silu":
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.down_proj(linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
