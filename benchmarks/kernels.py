@@ -10,10 +10,12 @@ row-kernel variants 0, 1 and 2 (the default; at --head-dim 64 it is the tensor-c
                                         causal self-attention over 4096 tokens, whose last 2048 rows are
                                         exactly this chunk's work
   cache write, 32768 tokens             target: >= 80% of copy bandwidth (read + write), copy measured here
+  --only fp8: the same decode rows, prefill and cache write over an fp8 (e4m3) cache
+  (LLM(kv_cache_dtype="fp8")); decode target: K/V read at >= 85% of copy bandwidth counting fp8 bytes
 Timing: each variant is captured in a CUDA graph and replayed back to back, rotating between input sets
 whose total exceeds the 60 MB L2 several times where one set does not; one CUDA event per replay, median.
 
-    python benchmarks/kernels.py [--reps 30] [--only prefill|decode|workload] [--head-dim 64]
+    python benchmarks/kernels.py [--reps 30] [--only prefill|decode|workload|fp8] [--head-dim 64]
 """
 from __future__ import annotations
 
@@ -41,13 +43,13 @@ def sets_for(nbytes: int) -> int:
     return max(1, min(4, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
 
 
-def paged_decode_inputs(lens: list[int], gen: torch.Generator, plan_len: int):
+def paged_decode_inputs(lens: list[int], gen: torch.Generator, plan_len: int, kv_dtype: torch.dtype | None = None):
     """One decode row per context length (shuffled blocks), with the split plan made for plan_len tokens
-    (the longest row, or max_model_len as the engine's CUDA graphs plan it)."""
+    (the longest row, or max_model_len as the engine's CUDA graphs plan it); kv_dtype: the cache's (DT)."""
     B = len(lens)
     per = [-(-n // BS) for n in lens]
     nb = sum(per)
-    cache = torch.randn(2, nb, BS, HKV, D, device="cuda", generator=gen).to(DT)
+    cache = torch.randn(2, nb, BS, HKV, D, device="cuda", generator=gen).to(kv_dtype or DT)
     perm = torch.randperm(nb, device="cuda", generator=gen).int()
     width = -(-plan_len // BS)
     tables = torch.zeros(B, width, dtype=torch.int32, device="cuda")
@@ -202,12 +204,97 @@ def bench_write(backend, reps: int, gen) -> dict:
             "bytes": nbytes, "input_sets": n}
 
 
+def copy_bandwidth(reps: int) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write), outside a graph (as bench_write measures it)."""
+    src = torch.empty(1 << 29, device="cuda", dtype=DT)
+    dst = torch.empty_like(src)
+    ms = time_ms([lambda: dst.copy_(src)], reps, graph=False)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 29) * 2 / ms / 1e6
+
+
+def bench_fp8_heads(backend, heads: int, kv_heads: int, B: int, T: int, reps: int, gen, copy: float) -> dict:
+    """fp8 decode at another head count (Qwen3-0.6B's 16 q / 8 kv: 2 per kv head), tensor cores (variant 2) vs
+    the row kernel (variant 1): the evidence for group_mma_applies' choice there."""
+    global H, HKV
+    saved = H, HKV
+    H, HKV = heads, kv_heads
+    from pagednb.attention.kv_quant import FP8_DTYPE
+    kv_bytes = 2 * B * T * HKV * D
+    sets = [paged_decode_inputs([T] * B, gen, T, FP8_DTYPE) for _ in range(sets_for(kv_bytes))]
+    r = {}
+    for variant, name in ((2, "tensor_cores"), (1, "row_kernel")):
+        backend.row_variant = variant
+        ms = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in sets], reps)
+        r[name] = {"ms": ms, "GBps": kv_bytes / ms / 1e6, "of_copy": kv_bytes / ms / 1e6 / copy}
+    backend.row_variant = 2
+    H, HKV = saved
+    del sets
+    torch.cuda.empty_cache()
+    print(f"fp8 decode B={B} T={T}, {heads} q / {kv_heads} kv heads: {r}", flush=True)
+    return r
+
+
+def bench_fp8(backend, lib, reps: int, gen) -> dict:
+    """Decode, prefill and cache write over an fp8 cache, beside the bf16 kernels on the same shapes."""
+    from pagednb.attention.kv_quant import FP8_DTYPE
+    copy = copy_bandwidth(reps)
+    res: dict = {"copy_GBps": copy}
+    for B, T in [(64, 4096), (256, 1024), (1, 32768)]:
+        kv_bytes = 2 * B * T * HKV * D  # one byte per element
+        n = sets_for(kv_bytes)
+        sets = [paged_decode_inputs([T] * B, gen, T, FP8_DTYPE) for _ in range(n)]
+        fp8 = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in sets], reps)
+        plan = list(sets[0][2]._cuda_plan.row_plans.values())[0]
+        del sets
+        bf16_sets = [paged_decode_inputs([T] * B, gen, T) for _ in range(sets_for(2 * kv_bytes))]
+        bf16 = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in bf16_sets], reps)
+        del bf16_sets
+        torch.cuda.empty_cache()
+        res[f"decode_B{B}_T{T}"] = r = {"fp8_ms": fp8, "fp8_GBps": kv_bytes / fp8 / 1e6, "bf16_ms": bf16,
+                                        "bf16_GBps": 2 * kv_bytes / bf16 / 1e6, "of_copy": kv_bytes / fp8 / 1e6 / copy,
+                                        "speedup_over_bf16": bf16 / fp8, "partitions": plan[0], "input_sets": n}
+        print(f"fp8 decode B={B} T={T}: {r}", flush=True)
+    ctx, chunk = 2048, 2048
+    T = ctx + chunk
+    nb = T // BS
+    tables = torch.randperm(nb, device="cuda", generator=gen).view(1, nb).int()
+    q = torch.randn(chunk, H, D, device="cuda", generator=gen).to(DT)
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(chunk, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([T], dtype=torch.int32, device="cuda"), block_tables=tables,
+        max_query_len=chunk, max_seq_len=T, query_start_loc_cpu=[0, chunk], seq_lens_cpu=[T])
+    flops = 4 * D * H * sum(ctx + i + 1 for i in range(chunk))
+    for name, dtype in (("fp8", FP8_DTYPE), ("bf16", DT)):
+        cache = torch.randn(2, nb, BS, HKV, D, device="cuda", generator=gen).to(dtype)
+        ms = time_ms([lambda: backend.attend(q, cache, md, D ** -0.5, None)], reps)
+        res.setdefault("prefill_2048_over_2048", {}).update({f"{name}_ms": ms, f"{name}_TFLOPs": flops / ms / 1e9})
+    print(f"fp8 prefill: {res['prefill_2048_over_2048']}", flush=True)
+    res["decode_B256_T1024_qwen3_heads"] = bench_fp8_heads(backend, 16, 8, 256, 1024, reps, gen, copy)
+    N = 32768
+    nb = N // BS + 64
+    sets = []
+    for _ in range(sets_for(2 * N * HKV * D * 2)):
+        cache = torch.empty(2, nb, BS, HKV, D, device="cuda", dtype=FP8_DTYPE)
+        slots = torch.randperm(nb * BS, device="cuda", generator=gen)[:N]
+        k = torch.randn(N, HKV, D, device="cuda", generator=gen).to(DT)
+        sets.append((k, torch.randn_like(k), cache, slots))
+    ms = time_ms([lambda s=s: backend.write_kv(*s) for s in sets], reps)
+    moved = 2 * N * HKV * D * (2 + 1)  # K and V: bf16 read, fp8 written
+    res["cache_write_32768"] = {"fp8_ms": ms, "GBps": moved / ms / 1e6, "of_copy": moved / ms / 1e6 / copy}
+    print(f"fp8 cache write: {res['cache_write_32768']}", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--only", choices=["prefill", "decode", "workload"],
+    ap.add_argument("--only", choices=["prefill", "decode", "workload", "fp8"],
                     help="time only these rows (prefill: no JSON written; decode: kernels_decode_d<D>.json; "
-                         "workload: decode at the throughput workload's contexts, kernels_workload_d<D>.json)")
+                         "workload: decode at the throughput workload's contexts, kernels_workload_d<D>.json; "
+                         "fp8: decode, prefill and cache write over an fp8 cache, kernels_fp8_d<D>.json)")
     ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every row (default 128)")
     args = ap.parse_args()
     global D
@@ -225,6 +312,24 @@ def main() -> None:
         print(f"prefill: {r}")
         print(f"SDPA flash {r['sdpa_TFLOPs']:.1f}, default {r['sdpa_default_TFLOPs']:.1f} TFLOP/s; ours "
               f"{r['ours_TFLOPs']:.1f} = {100 * r['ours_TFLOPs'] / r['sdpa_default_TFLOPs']:.0f}% of default")
+        return
+    if args.only == "fp8":
+        res = bench_fp8(backend, lib, args.reps, gen)
+        rows = [[f"fp8 decode B={B} T={T}", r["fp8_ms"], r["fp8_GBps"], f"{100 * r['of_copy']:.0f}%",
+                 r["bf16_ms"], r["speedup_over_bf16"], "yes" if r["of_copy"] >= 0.85 else "NO"]
+                for (B, T), r in zip([(64, 4096), (256, 1024), (1, 32768)],
+                                     [res[f"decode_B{B}_T{T}"] for B, T in [(64, 4096), (256, 1024), (1, 32768)]])]
+        path = save(f"kernels_fp8_d{D}", {"shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "block_size": BS,
+                                                    "dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}, "results": res})
+        print(f"wrote {path}")
+        print_table(["row", "fp8 ms", "fp8 GB/s", "of copy", "bf16 ms", "bf16 / fp8", ">= 85% of copy"], rows)
+        p = res["prefill_2048_over_2048"]
+        q3 = res["decode_B256_T1024_qwen3_heads"]
+        print(f"fp8 decode B=256 T=1024 at 16 q / 8 kv heads: tensor cores {q3['tensor_cores']['GBps']:.0f} GB/s, "
+              f"row kernel {q3['row_kernel']['GBps']:.0f} GB/s")
+        print(f"prefill 2048/2048: fp8 {p['fp8_TFLOPs']:.1f} TFLOP/s, bf16 {p['bf16_TFLOPs']:.1f}; cache write "
+              f"{res['cache_write_32768']['GBps']:.0f} GB/s ({100 * res['cache_write_32768']['of_copy']:.0f}% of copy "
+              f"{res['copy_GBps']:.0f} GB/s)")
         return
     if args.only == "workload":
         res = bench_workload(backend, args.reps, gen)

@@ -61,12 +61,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rates", default="4,16,64", help="arrivals per second")
     parser.add_argument("--max-output", type=int, default=256, help="caps the workload's output lengths")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                        help="LLM(kv_cache_dtype=...): 'fp8' stores K/V as float8 e4m3")
     args = parser.parse_args()
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts, outputs = workload(args.requests, vocab)
     outputs = [min(o, args.max_output) for o in outputs]
     with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(str(make_model_dir(args.shape, Path(tmp) / args.shape)), max_model_len=2048)
+        llm = LLM(str(make_model_dir(args.shape, Path(tmp) / args.shape)), max_model_len=2048,
+                  kv_cache_dtype=args.kv_cache_dtype)
         single = batch1_tpot(llm, vocab)
         loads = [asyncio.run(poisson(llm, prompts, outputs, float(r), seed=i))
                  for i, r in enumerate(args.rates.split(","))]
@@ -76,7 +79,9 @@ def main() -> None:
     print(f"Poisson arrivals, {args.requests} requests each, outputs capped at {args.max_output}")
     print_table(["rate req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"],
                 [[r["rate"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"]] for r in loads])
-    print(f"wrote {save(f'latency_{args.shape}', {'shape': args.shape, 'batch1': single, 'poisson': loads})}")
+    name = f"latency_{args.shape}" + ("" if args.kv_cache_dtype == "auto" else f"_kv_{args.kv_cache_dtype}")
+    result = {"shape": args.shape, "kv_cache_dtype": args.kv_cache_dtype, "batch1": single, "poisson": loads}
+    print(f"wrote {save(name, result)}")
 
 
 if __name__ == "__main__":

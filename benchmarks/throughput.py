@@ -38,7 +38,7 @@ def run_pagednb(model_dir: Path, prompts, outputs, args, tp: int = 1) -> dict:
     llm = LLM(str(model_dir), max_model_len=2048, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
               enforce_eager=args.eager, load_format="dummy" if args.shape in CHECKPOINT_FREE else "auto",
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype)
     startup = time.perf_counter() - t0
     llm.generate([p[:32] for p in prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     results = {"tensor_parallel_size": tp, "startup_s": startup, "cuda_graphs": llm.engine.uses_cuda_graphs}
@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--hf", default="", help="HF baselines to run in the same process: cb, static or cb,static")
     parser.add_argument("--hf-requests", type=int, default=256, help="run HF on the first N requests only")
     parser.add_argument("--tp", default="1", help="tensor_parallel_size, or several (1,2): each run in turn")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                        help="LLM(kv_cache_dtype=...): 'fp8' stores K/V as float8 e4m3 (twice the tokens)")
     args = parser.parse_args()
     sizes = [int(n) for n in args.tp.split(",")]
     if torch.cuda.is_available() and max(sizes) > torch.cuda.device_count():  # (a CPU runs ranks as processes)
@@ -148,10 +150,11 @@ def main() -> None:
     ours = runs[sizes[0]]
     subset = "all" if hf_n == args.requests else f"first_{hf_n}"
     rows = []
+    fp8 = "" if args.kv_cache_dtype == "auto" else " (fp8 KV)"
     for tp, run in runs.items():
         scaling = run["all"]["output_tok_per_s"] / ours["all"]["output_tok_per_s"]
         run["scaling_vs_first"] = scaling
-        rows.append(["pagednb" + (" (eager)" if args.eager else "") + (f" TP={tp}" if tp > 1 or len(sizes) > 1 else ""),
+        rows.append(["pagednb" + (" (eager)" if args.eager else "") + fp8 + (f" TP={tp}" if tp > 1 or len(sizes) > 1 else ""),
                      args.shape, run["all"]["requests"], sum(outputs), run["all"]["wall_s"],
                      run["all"]["output_tok_per_s"], f"{scaling:.2f}x TP={sizes[0]}" if tp != sizes[0] else "",
                      run["all"]["steps"]])
@@ -164,10 +167,11 @@ def main() -> None:
         r["pagednb_speedup"] = ratio
         rows.append([name, args.shape, r["requests"], sum(outputs[:hf_n]), r["wall_s"], r["output_tok_per_s"],
                      f"pagednb {ratio:.1f}x", ""])
-    path = save(f"throughput_{args.shape}" + ("_eager" if args.eager else "") + (f"_tp{'_'.join(map(str, sizes))}"
-                                                                                  if sizes != [1] else ""),
-                {"shape": args.shape, "requests": args.requests, "prompt_tokens": sum(map(len, prompts)),
-                 "output_tokens": sum(outputs), "pagednb": ours,
+    path = save(f"throughput_{args.shape}" + ("_eager" if args.eager else "")
+                + ("" if args.kv_cache_dtype == "auto" else f"_kv_{args.kv_cache_dtype}")
+                + (f"_tp{'_'.join(map(str, sizes))}" if sizes != [1] else ""),
+                {"shape": args.shape, "kv_cache_dtype": args.kv_cache_dtype, "requests": args.requests,
+                 "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs), "pagednb": ours,
                  **({f"pagednb_tp{tp}": run for tp, run in runs.items()} if sizes != [1] else {}), **baselines})
     print(f"\nThroughput, {args.requests} requests, {sum(map(len, prompts))} prompt + {sum(outputs)} output tokens; "
           f"startup {ours['startup_s']:.1f} s, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}")

@@ -49,6 +49,7 @@ int check_params(int dtype, int head_dim, const AttnParams* p) {
   if (p == nullptr || !supported_dtype(dtype) || !supported_head_dim(head_dim)) return -1;
   if (p->Hkv <= 0 || p->G <= 0 || p->H != p->Hkv * p->G) return -1;
   if (p->bs_log2 < 0 || p->bs_log2 > 12 || p->num_seqs <= 0) return -1;
+  if (p->cache_fp8 && (dtype == pagednb::kFloat32 || !(p->k_scale > 0.f) || !(p->v_scale > 0.f))) return -1;
   return 0;
 }
 
@@ -68,28 +69,26 @@ bool moe_shape_ok(int T, int H, int I, int E, int topk) {
          topk >= 1 && topk <= E && (int64_t)T * topk <= INT32_MAX;
 }
 
-int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
-
 // Resident CTAs per SM of the kernel serving decode rows of this configuration: the row kernel (GMAX query
 // heads per CTA), or the tensor-core one where group_mma_applies. Cached: one occupancy query each.
-int resident_ctas(int dtype, int head_dim, int G, int variant) {
+int resident_ctas(int dtype, int head_dim, int G, int variant, int cache_fp8) {
   static std::mutex mu;
-  static int cache[3][3][5][4] = {};  // [row kernel direct / ring, tensor cores][dtype][head_dim][GMAX]
-  const bool mma = pagednb::group_mma_applies(dtype, head_dim, G, variant);
-  const int gmax = gmax_for(G);
+  static int cache[2][3][3][5][4] = {};  // [fp8 cache][row kernel direct / ring, tensor cores][dtype][head_dim][GMAX]
+  const bool mma = pagednb::group_mma_applies(dtype, head_dim, G, variant, cache_fp8);
+  const int gmax = pagednb::row_gmax(G, cache_fp8);
   const int vi = mma ? 2 : variant != 0;  // row variants 1 and 2 are the same row kernel
   const int di = head_dim == 16 ? 0 : head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : 4;
   const int gi = mma ? 0 : gmax == 1 ? 0 : gmax == 2 ? 1 : gmax == 4 ? 2 : 3;
   std::lock_guard<std::mutex> lock(mu);
-  int& n = cache[vi][dtype][di][gi];
+  int& n = cache[cache_fp8 ? 1 : 0][vi][dtype][di][gi];
   if (n == 0) {
     if (mma)
-      n = dtype == pagednb::kBFloat16 ? pagednb::occupancy_group_mma_bf16(head_dim)
-                                      : pagednb::occupancy_group_mma_f16(head_dim);
+      n = dtype == pagednb::kBFloat16 ? pagednb::occupancy_group_mma_bf16(head_dim, cache_fp8)
+                                      : pagednb::occupancy_group_mma_f16(head_dim, cache_fp8);
     else
       n = dtype == pagednb::kFloat32   ? pagednb::occupancy_row_f32(head_dim, gmax, vi)
-          : dtype == pagednb::kFloat16 ? pagednb::occupancy_row_f16(head_dim, gmax, vi)
-                                       : pagednb::occupancy_row_bf16(head_dim, gmax, vi);
+          : dtype == pagednb::kFloat16 ? pagednb::occupancy_row_f16(head_dim, gmax, vi, cache_fp8)
+                                       : pagednb::occupancy_row_bf16(head_dim, gmax, vi, cache_fp8);
     if (n <= 0) n = 1;
   }
   return n;
@@ -106,19 +105,21 @@ bool gemv_out_ok(int N, int64_t out_stride, int silu_and_mul) {
 extern "C" {
 
 // Split-K plan for the row kernel (or the tensor-core decode kernel where group_mma_applies: one CTA per
-// kv head then): rows = query rows it serves, range_max = the most tokens a row
-// attends to. No split when the (row, kv head) CTAs already fill 3/4 of one wave of resident CTAs;
+// kv head then): rows = query rows it serves, range_max = the most tokens a row attends to, cache_fp8 = 1
+// for an fp8 cache. No split when the (row, kv head) CTAs already fill 3/4 of one wave of resident CTAs;
 // otherwise enough partitions (of >= 128 tokens) for about one full wave. A partition's CTA is latency-bound
 // (batch 1, context 512: 7.4 us for 256 tokens on an H200), and each partition costs the reduce one more read.
 int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int range_max, int num_sms,
-                     int variant, int* P, int* part_size, int* head_groups) {
+                     int variant, int cache_fp8, int* P, int* part_size, int* head_groups) {
   if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;
-  const bool mma = pagednb::group_mma_applies(dtype, head_dim, G, variant);
-  const int gmax = mma ? G : gmax_for(G);
+  if (cache_fp8 && dtype == pagednb::kFloat32) return -1;
+  cache_fp8 = cache_fp8 ? 1 : 0;
+  const bool mma = pagednb::group_mma_applies(dtype, head_dim, G, variant, cache_fp8);
+  const int gmax = mma ? G : pagednb::row_gmax(G, cache_fp8);
   *head_groups = (G + gmax - 1) / gmax;
   range_max = range_max < 1 ? 1 : range_max;
   const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * Hkv * *head_groups;
-  const int64_t wave = (int64_t)resident_ctas(dtype, head_dim, G, variant) * (num_sms < 1 ? 1 : num_sms);
+  const int64_t wave = (int64_t)resident_ctas(dtype, head_dim, G, variant, cache_fp8) * (num_sms < 1 ? 1 : num_sms);
   int64_t parts = 4 * base >= 3 * wave ? 1 : (wave + base - 1) / base;
   const int64_t max_parts = (range_max + 127) / 128;
   if (parts > max_parts) parts = max_parts;
@@ -155,10 +156,19 @@ int pagednb_prefill_occupancy(int dtype, int head_dim) {
                                     : pagednb::occupancy_prefill_bf16(head_dim);
 }
 
+// fp8_dtype -1: the cache has key/value's dtype (bytes copied, row_bytes per row); a bf16/fp16 code: the cache
+// is fp8 and rows of row_bytes / 2 such values are stored as fp8(k / k_scale), fp8(v / v_scale).
 int pagednb_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
                      void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,
-                     int64_t row_bytes, void* stream) {
+                     int64_t row_bytes, int fp8_dtype, float k_scale, float v_scale, void* stream) {
   if (row_bytes <= 0 || row_bytes % 2 != 0) return -1;
+  if (fp8_dtype >= 0) {
+    if ((fp8_dtype != pagednb::kFloat16 && fp8_dtype != pagednb::kBFloat16) || (row_bytes / 2) % 8 != 0 ||
+        row_bytes / 2 > INT32_MAX || !(k_scale > 0.f) || !(v_scale > 0.f))
+      return -1;
+    return pagednb::launch_write_kv_fp8(fp8_dtype, key, value, k_stride_tok, v_stride_tok, cache, v_offset_bytes,
+                                        slots, num_tokens, (int)(row_bytes / 2), k_scale, v_scale, stream);
+  }
   return pagednb::launch_write_kv(key, value, k_stride_tok, v_stride_tok, cache, v_offset_bytes, slots,
                                   num_tokens, row_bytes, stream);
 }
@@ -186,20 +196,21 @@ int pagednb_qk_norm_rope(int dtype, void* q, int64_t q_stride_tok, int64_t q_str
                          int num_heads, int num_kv_heads, int head_dim, float eps, float weight_offset,
                          int weight_in_float32, const void* v, int64_t v_stride_tok,
                          int64_t v_stride_head, void* cache, int64_t cache_v_offset, const int64_t* slots,
-                         void* stream) {
+                         int cache_fp8, float k_scale, float v_scale, void* stream) {
   if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || num_tokens < 0 || num_heads <= 0 ||
       num_kv_heads <= 0 || (q_weight == nullptr) != (k_weight == nullptr))
     return -1;
   if (v != nullptr && (cache == nullptr || slots == nullptr || cache_v_offset <= 0)) return -1;
+  if (cache_fp8 && (dtype == pagednb::kFloat32 || !(k_scale > 0.f) || !(v_scale > 0.f))) return -1;
   const int64_t es = elem_size(dtype);
   if (!aligned16({q, k, cos, sin, q_weight, k_weight, v, cache},
                  {q_stride_tok * es, q_stride_head * es, k_stride_tok * es, k_stride_head * es, cos_sin_stride * es,
-                  v_stride_tok * es, v_stride_head * es, cache_v_offset * es}))
+                  v_stride_tok * es, v_stride_head * es, cache_v_offset * (cache_fp8 ? 1 : es)}))
     return -1;
   pagednb::QkRopeArgs a{q, k, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head, cos, sin, cos_sin_stride,
                         q_weight, k_weight, num_tokens, num_heads, num_kv_heads, head_dim, eps,
                         {weight_offset, weight_in_float32}, v, v_stride_tok, v_stride_head, cache, cache_v_offset,
-                        slots};
+                        slots, cache_fp8 ? 1 : 0, k_scale, v_scale};
   return pagednb::launch_qk_norm_rope(dtype, a, stream);
 }
 

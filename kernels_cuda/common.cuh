@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include <utility>
@@ -137,6 +138,49 @@ template <typename T> __device__ __forceinline__ float silu_and_mul(float gate, 
   const float silu = round_to<T>(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))));
   return round_to<T>(__fmul_rn(silu, up));
 }
+// ---- the fp8 KV cache: float8 e4m3, stored = fp8(x / scale), read = fp8 * scale ----------------------------
+// pagednb/attention/kv_quant.py is the reference: the same float32 division, rounding to nearest even and
+// saturation to +-448 (cvt.rn.satfinite.e4m3x2.f32), so a kernel's cache holds the reference's bytes.
+// Reads convert with cvt.rn.f16x2.e4m3x2 (sm_89+), exact: every e4m3 value is an fp16 (and a bf16) value.
+struct Fp8E4M3 {  // an fp8 cache's element: storage only, the kernels convert on use
+  uint8_t bits;
+};
+
+__device__ __forceinline__ float2 fp8x2_to_float2(uint16_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+// 4 fp8 values (byte i = element i) -> 4 floats
+__device__ __forceinline__ void fp8x4_to_float(uint32_t x, float* f) {
+  const float2 lo = fp8x2_to_float2(static_cast<uint16_t>(x & 0xffffu));
+  const float2 hi = fp8x2_to_float2(static_cast<uint16_t>(x >> 16));
+  f[0] = lo.x; f[1] = lo.y; f[2] = hi.x; f[3] = hi.y;
+}
+// 4 floats -> 4 fp8 values of x / scale (byte i = element i)
+__device__ __forceinline__ uint32_t fp8x4_from_float(const float* f, float scale) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(f[0], scale), __fdiv_rn(f[1], scale)),
+                                               __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(f[2], scale), __fdiv_rn(f[3], scale)),
+                                               __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+// 8 floats -> 8 fp8 values of x / scale: what a 16-byte vector of 8 bf16/fp16 becomes in the cache
+__device__ __forceinline__ uint2 fp8x8_from_float(const float* f, float scale) {
+  return make_uint2(fp8x4_from_float(f, scale), fp8x4_from_float(f + 4, scale));
+}
+
+// A 16-byte vector of 8 bf16/fp16 values (as floats) -> its 8 fp8 bytes at p (8-byte aligned). Nothing for
+// float32: its models keep a float32 cache (the bindings refuse an fp8 one).
+template <typename T> __device__ __forceinline__ void store_fp8_vec(uint8_t* p, const float* f, float scale) {
+  if constexpr (sizeof(T) == 2) *reinterpret_cast<uint2*>(p) = fp8x8_from_float(f, scale);
+}
+
+template <> struct Elem<Fp8E4M3> {
+  static constexpr int kVec = 16;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+    fp8x4_to_float(v.x, f); fp8x4_to_float(v.y, f + 4); fp8x4_to_float(v.z, f + 8); fp8x4_to_float(v.w, f + 12);
+  }
+};
 
 // Pack two floats into one 32-bit register of two 16-bit values (low = a).
 template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
@@ -147,6 +191,22 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// 8 fp8 values (byte i = element i) -> 8 values of T as one 16-byte vector (exact): an fp8 cache's tile in the
+// 16-bit layout that ldmatrix and mma.sync take.
+template <typename T> __device__ __forceinline__ uint32_t fp8x2_to(uint16_t x);
+template <> __device__ __forceinline__ uint32_t fp8x2_to<__half>(uint16_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t fp8x2_to<__nv_bfloat16>(uint16_t x) {
+  const float2 f = fp8x2_to_float2(x);
+  return pack2<__nv_bfloat16>(f.x, f.y);
+}
+template <typename T> __device__ __forceinline__ uint4 fp8x8_to(uint2 x) {
+  return make_uint4(fp8x2_to<T>(x.x & 0xffffu), fp8x2_to<T>(x.x >> 16), fp8x2_to<T>(x.y & 0xffffu),
+                    fp8x2_to<T>(x.y >> 16));
 }
 
 // 2^x; MUFU.EX2 (about 2 ulp). ex2.approx.ftz(-inf) = +0.

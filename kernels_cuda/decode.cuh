@@ -14,6 +14,9 @@
 // shared-memory ring of S steps with cp.async, S - 1 steps ahead of the math, so loads stay in flight
 // while it computes; no barrier is needed since a thread only reads what it copied itself. Without
 // PIPE (float32, and variant 0) the loads of a step go straight to registers.
+// An fp8 cache (KV = Fp8E4M3, 16-bit queries): the same kernel with 16 fp8 values per 16-byte load, so a
+// lane covers 16 elements of a row (twice a 16-bit cache's) and a warp twice the tokens per step; K/V are
+// converted to float as they are used, k_scale is folded into q's pre-scale and v_scale into the output.
 #pragma once
 
 #include <type_traits>
@@ -66,7 +69,7 @@ __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const
     const int h = h0 + g;
     if (p.P == 1) {
       T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
-      out[d] = Elem<T>::from_float(O / L);
+      out[d] = Elem<T>::from_float(O / L * p.v_scale);
     } else {
       const int64_t pi = ((int64_t)row * p.H + h) * p.P + blockIdx.z;
       p.part_o[pi * D + d] = O;
@@ -75,9 +78,9 @@ __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const
   }
 }
 
-template <typename T, int D, int GMAX>
+template <typename KV, int D, int GMAX>  // KV: the cache's element type
 struct RowCfg {
-  static constexpr int VEC = Elem<T>::kVec;                       // elements per 16 B
+  static constexpr int VEC = Elem<KV>::kVec;                      // elements per 16 B
   static constexpr int TPR = (D / VEC) < 32 ? (D / VEC) : 32;     // lanes per token row
   static constexpr int NV = D / (VEC * TPR);                      // 16 B vectors per lane per row
   static constexpr int TPW = 32 / TPR;                            // token slots per warp
@@ -93,10 +96,18 @@ struct RowCfg {
   static constexpr int smem(bool pipe) { return pipe && RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES; }
 };
 
-template <typename T, int D, int GMAX, bool PIPE, bool CAP = false>  // CAP: Gemma 2's soft-capping
+// VEC elements of T from global memory into floats (one or two 16-byte loads: an fp8 cache's 16 per lane)
+template <typename T, int VEC>
+__device__ __forceinline__ void ldg_floats(const T* src, float* f) {
+#pragma unroll
+  for (int i = 0; i < VEC / Elem<T>::kVec; ++i) Elem<T>::unpack(ldg16(src + i * Elem<T>::kVec), f + i * Elem<T>::kVec);
+}
+
+// T: the query's type; KV: the cache's (T, or Fp8E4M3). CAP: Gemma 2's soft-capping
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP = false>
 __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   PAGEDNB_PDL_ENTER();
-  using C = RowCfg<T, D, GMAX>;
+  using C = RowCfg<KV, D, GMAX>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U, S = C::S;
   constexpr int NT = C::NT;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
@@ -115,18 +126,18 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   const int sub = lane % TPR;
   const int slot = warp * TPW + lane / TPR;
 
-  // query heads of this CTA in registers, pre-scaled into log2 units
+  // query heads of this CTA in registers, pre-scaled into log2 units (an fp8 cache's k_scale folded in)
   float qf[GMAX][NV][VEC];
   const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
+  const float q_scale = p.scale_log2 * p.k_scale;
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       if (g < ng) {
-        uint4 raw = ldg16(qrow + (int64_t)(h0 + g) * p.q_stride_head + (v * TPR + sub) * VEC);
-        Elem<T>::unpack(raw, qf[g][v]);
+        ldg_floats<T, VEC>(qrow + (int64_t)(h0 + g) * p.q_stride_head + (v * TPR + sub) * VEC, qf[g][v]);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) qf[g][v][e] *= p.scale_log2;
+        for (int e = 0; e < VEC; ++e) qf[g][v][e] *= q_scale;
       } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) qf[g][v][e] = 0.f;
@@ -146,7 +157,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
 
   const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
   const int64_t row_elems = (int64_t)p.Hkv * D;
-  const T* kbase = reinterpret_cast<const T*>(p.cache) + (int64_t)kvh * D + sub * VEC;
+  const KV* kbase = reinterpret_cast<const KV*>(p.cache) + (int64_t)kvh * D + sub * VEC;
   const int bs_mask = (1 << p.bs_log2) - 1;
 
   const int nsteps = t_end > t_begin ? (t_end - t_begin + C::STEP - 1) / C::STEP : 0;
@@ -160,7 +171,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
         const int t = t0 + u * C::SLOTS + slot;
         const int tc = t < t_end ? t : t_end - 1;
         const int blk = __ldg(bt + (tc >> p.bs_log2));
-        const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
+        const KV* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           cp_async16(st + ((u * NV + v) * 2) * NT, kp + v * TPR * VEC, true);
@@ -199,7 +210,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
         valid[u] = t < t_end;
         const int tc = valid[u] ? t : t_end - 1;  // a real token of this partition: never garbage
         const int blk = __ldg(bt + (tc >> p.bs_log2));
-        const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
+        const KV* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           kr[u][v] = ldg16(kp + v * TPR * VEC);
@@ -212,7 +223,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
     for (int u = 0; u < U; ++u) {
       float kf[NV][VEC];
 #pragma unroll
-      for (int v = 0; v < NV; ++v) Elem<T>::unpack(kr[u][v], kf[v]);
+      for (int v = 0; v < NV; ++v) Elem<KV>::unpack(kr[u][v], kf[v]);
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         float d = 0.f;
@@ -256,7 +267,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
 #pragma unroll
       for (int v = 0; v < NV; ++v) {
         float vf[VEC];
-        Elem<T>::unpack(vr[u][v], vf);
+        Elem<KV>::unpack(vr[u][v], vf);
 #pragma unroll
         for (int g = 0; g < GMAX; ++g)
 #pragma unroll
@@ -328,7 +339,7 @@ __global__ void row_reduce_kernel(const AttnParams p, int D) {
     O += p.part_o[(base + j) * D + d] * f;
   }
   T* o = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
-  o[d] = Elem<T>::from_float(O / L);
+  o[d] = Elem<T>::from_float(O / L * p.v_scale);
 }
 
 // The pipelined variant for 16-bit types unless variant 0 is asked for; float32 never (its ring would
@@ -336,50 +347,69 @@ __global__ void row_reduce_kernel(const AttnParams p, int D) {
 template <typename T>
 constexpr bool pipe_ok() { return sizeof(T) == 2; }
 
-template <typename T, int D, int GMAX, bool PIPE, bool CAP>
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP>
 int launch_row_variant(const AttnParams& p, cudaStream_t st) {
-  using C = RowCfg<T, D, GMAX>;
+  using C = RowCfg<KV, D, GMAX>;
   constexpr int smem = C::smem(PIPE);
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, D, GMAX, PIPE, CAP>,
+    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
   const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
-  return launch_pdl(row_attn_kernel<T, D, GMAX, PIPE, CAP>, grid, dim3(C::NT), smem, st, p);
+  return launch_pdl(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP>, grid, dim3(C::NT), smem, st, p);
 }
 
-template <typename T, int D, int GMAX, bool PIPE>
+template <typename T, typename KV, int D, int GMAX, bool PIPE>
 int launch_row_kernel(const AttnParams& p, cudaStream_t st) {
-  return p.softcap_log2 > 0.f ? launch_row_variant<T, D, GMAX, PIPE, true>(p, st)
-                              : launch_row_variant<T, D, GMAX, PIPE, false>(p, st);
+  return p.softcap_log2 > 0.f ? launch_row_variant<T, KV, D, GMAX, PIPE, true>(p, st)
+                              : launch_row_variant<T, KV, D, GMAX, PIPE, false>(p, st);
+}
+
+template <typename T, typename KV, int D, int GMAX>
+int launch_row_kv(const AttnParams& p, cudaStream_t st) {
+  if constexpr (pipe_ok<T>())
+    return p.row_variant == 0 ? launch_row_kernel<T, KV, D, GMAX, false>(p, st)
+                              : launch_row_kernel<T, KV, D, GMAX, true>(p, st);
+  else
+    return launch_row_kernel<T, KV, D, GMAX, false>(p, st);
 }
 
 template <typename T, int D, int GMAX>
 int launch_row_t(const AttnParams& p, cudaStream_t st) {
   int e;
   if constexpr (pipe_ok<T>()) {
-    e = p.row_variant == 0 ? launch_row_kernel<T, D, GMAX, false>(p, st) : launch_row_kernel<T, D, GMAX, true>(p, st);
+    if constexpr (GMAX <= 4)  // an fp8 cache's CTAs take at most 4 heads (row_gmax)
+      e = p.cache_fp8 ? launch_row_kv<T, Fp8E4M3, D, GMAX>(p, st) : launch_row_kv<T, T, D, GMAX>(p, st);
+    else
+      e = p.cache_fp8 ? -1 : launch_row_kv<T, T, D, GMAX>(p, st);
   } else {
-    e = launch_row_kernel<T, D, GMAX, false>(p, st);
+    e = launch_row_kv<T, T, D, GMAX>(p, st);  // float32 models keep a float32 cache
   }
   if (e != 0) return e;
   return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
 }
 
-template <typename T, int D, int GMAX>
-int occupancy_t(int variant) {
+template <typename T, typename KV, int D, int GMAX>
+int occupancy_kv(int variant) {
   int n = 0;
   cudaError_t e;
   if (pipe_ok<T>() && variant != 0)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, D, GMAX, pipe_ok<T>()>, 128,
-                                                      RowCfg<T, D, GMAX>::smem(pipe_ok<T>()));
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, KV, D, GMAX, pipe_ok<T>()>, 128,
+                                                      RowCfg<KV, D, GMAX>::smem(pipe_ok<T>()));
   else
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, D, GMAX, false>, 128,
-                                                      RowCfg<T, D, GMAX>::smem(false));
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, row_attn_kernel<T, KV, D, GMAX, false>, 128,
+                                                      RowCfg<KV, D, GMAX>::smem(false));
   return e == cudaSuccess && n > 0 ? n : 1;
+}
+
+template <typename T, int D, int GMAX>
+int occupancy_t(int variant, int cache_fp8) {
+  if constexpr (pipe_ok<T>() && GMAX <= 4)
+    if (cache_fp8) return occupancy_kv<T, Fp8E4M3, D, GMAX>(variant);
+  return occupancy_kv<T, T, D, GMAX>(variant);
 }
 
 }  // namespace pagednb
@@ -388,11 +418,9 @@ int occupancy_t(int variant) {
 
 namespace pagednb {
 
-inline int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
-
 // One dtype's dispatch over head_dim and GMAX (instantiated once per dtype file).
 #define PAGEDNB_ROW_DISPATCH_D(T, D)                                                    \
-  switch (gmax_for(p.G)) {                                                              \
+  switch (row_gmax(p.G, p.cache_fp8)) {                                                 \
     case 1: return launch_row_t<T, D, 1>(p, st);                                        \
     case 2: return launch_row_t<T, D, 2>(p, st);                                        \
     case 4: return launch_row_t<T, D, 4>(p, st);                                        \
@@ -400,17 +428,18 @@ inline int gmax_for(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
   }
 #define PAGEDNB_OCC_DISPATCH_D(T, D)                                                    \
   switch (gmax) {                                                                       \
-    case 1: return occupancy_t<T, D, 1>(variant);                                              \
-    case 2: return occupancy_t<T, D, 2>(variant);                                              \
-    case 4: return occupancy_t<T, D, 4>(variant);                                              \
-    default: return occupancy_t<T, D, 8>(variant);                                             \
+    case 1: return occupancy_t<T, D, 1>(variant, cache_fp8);                            \
+    case 2: return occupancy_t<T, D, 2>(variant, cache_fp8);                            \
+    case 4: return occupancy_t<T, D, 4>(variant, cache_fp8);                            \
+    default: return occupancy_t<T, D, 8>(variant, cache_fp8);                           \
   }
 
 template <typename T>
 int launch_row_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
   if constexpr (sizeof(T) == 2) {
     const int code = std::is_same<T, __half>::value ? kFloat16 : kBFloat16;
-    if (group_mma_applies(code, head_dim, p.G, p.row_variant)) return launch_group_mma_dtype<T>(head_dim, p, st);
+    if (group_mma_applies(code, head_dim, p.G, p.row_variant, p.cache_fp8))
+      return launch_group_mma_dtype<T>(head_dim, p, st);
   }
   switch (head_dim) {
     case 16: PAGEDNB_ROW_DISPATCH_D(T, 16)
@@ -422,7 +451,7 @@ int launch_row_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
   }
 }
 template <typename T>
-int occupancy_dtype(int head_dim, int gmax, int variant) {
+int occupancy_dtype(int head_dim, int gmax, int variant, int cache_fp8) {
   switch (head_dim) {
     case 16: PAGEDNB_OCC_DISPATCH_D(T, 16)
     case 32: PAGEDNB_OCC_DISPATCH_D(T, 32)

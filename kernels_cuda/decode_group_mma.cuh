@@ -1,5 +1,6 @@
 // Decode attention on tensor cores for grouped-query heads (bf16/fp16; 4 to 16 query heads per kv head;
-// head_dim 64, see group_mma_applies). One CTA of 4 warps per (query row, kv head, split-K partition).
+// head_dim 64, and 128 over an fp8 cache, see group_mma_applies). One CTA of 4 warps per (query row, kv
+// head, split-K partition).
 //
 // Why: with G query heads per kv head the row kernel (decode.cuh) does G dot products and G
 // accumulations per K/V element on CUDA cores; at head_dim 64 and G = 4 that is instruction-bound
@@ -17,35 +18,46 @@
 // ldmatrix.trans), as the prefill kernel and FlashAttention do. The warps' (o, m, l) are merged in
 // shared memory at the end; with P > 1 partitions the unnormalised partials go to row_reduce_kernel
 // in the row kernel's layout.
+// An fp8 cache (KV = Fp8E4M3): the ring holds the fp8 tiles (16 values per cp.async); once a tile has
+// landed, each lane converts the chunks it copied itself into a per-warp 16-bit tile of the layout above
+// (exact), which ldmatrix then reads as before. Per element that is far fewer instructions than the row
+// kernel's G multiply-adds, so with fp8's halved bytes the kernel stays bandwidth-bound where the row
+// kernel would not. k_scale is folded into the score scale, v_scale into the output (merge / reduce).
 // Included by decode.cuh after the row kernel, whose row_keys, merge_warps_and_store, kNegBig and
 // row_reduce_kernel it shares.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 #include "launchers.h"
 
 namespace pagednb {
 
-template <int D>
+template <int D, bool FP8 = false>  // FP8: the ring holds an fp8 cache's tiles, converted into a 16-bit tile
 struct GroupMmaCfg {
   static constexpr int NW = 4, NT = 32 * NW;
   static constexpr int BN = 16;                   // tokens per warp tile
   static constexpr int S = 3;                     // ring stages per warp
-  static constexpr int LDS = D + 8;               // smem row stride (elements)
-  static constexpr int STAGE = 2 * BN * LDS;      // elements: the K tile, then the V tile
-  static constexpr int CPR = D / 8;               // 16-byte chunks per token row
+  static constexpr int LDS = D + 8;               // 16-bit tile row stride (elements)
+  static constexpr int TILE = 2 * BN * LDS * 2;   // bytes of a 16-bit K tile and V tile
+  static constexpr int RLD = FP8 ? D + 16 : 2 * LDS;  // ring row stride (bytes)
+  static constexpr int STAGE = 2 * BN * RLD;      // ring stage bytes: the K tile, then the V tile
+  static constexpr int VEC = FP8 ? 16 : 8;        // cache elements per 16-byte chunk
+  static constexpr int CPR = D / VEC;             // 16-byte chunks per token row
   static constexpr int CPL = BN * CPR / 32;       // chunks per lane per K (or V) tile
-  static constexpr int RING_BYTES = NW * S * STAGE * 2;
+  static constexpr int RING_BYTES = NW * (S * STAGE + (FP8 ? TILE : 0));  // + each warp's converted tile
   static constexpr int MERGE_BYTES = NW * 16 * (D + 2) * 4;
   static constexpr int SMEM = RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES;
-  static_assert((BN * CPR) % 32 == 0, "copy shape");
+  static_assert((BN * CPR) % 32 == 0 && CPL >= 1, "copy shape");
 };
 
-template <typename T, int D, bool CAP = false>  // CAP: Gemma 2's soft-capping
+template <typename T, typename KV, int D, bool CAP = false>  // KV: the cache's type; CAP: Gemma 2's soft-capping
 __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams p) {
   PAGEDNB_PDL_ENTER();
-  using C = GroupMmaCfg<D>;
-  constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL;
+  constexpr bool FP8 = std::is_same<KV, Fp8E4M3>::value;
+  using C = GroupMmaCfg<D, FP8>;
+  constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL, VEC = C::VEC;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   unsigned char* work = dyn_smem;
 
@@ -62,24 +74,25 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
   // this warp's tiles of the partition: j = warp, warp + NW, ...
   const int ntiles = t_end > t_begin ? (t_end - t_begin + BN - 1) / BN : 0;
   const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
-  T* ring = reinterpret_cast<T*>(work) + warp * S * C::STAGE;
+  unsigned char* ring = work + warp * (S * C::STAGE + (FP8 ? C::TILE : 0));
+  T* tile16 = reinterpret_cast<T*>(ring + S * C::STAGE);  // fp8: the warp's converted tile
   const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
   const int64_t row_elems = (int64_t)p.Hkv * D;
-  const T* kbase = reinterpret_cast<const T*>(p.cache) + (int64_t)kvh * D;
+  const KV* kbase = reinterpret_cast<const KV*>(p.cache) + (int64_t)kvh * D;
   const int bs_mask = (1 << p.bs_log2) - 1;
   auto issue = [&](int i) {  // cp.async of the warp's tile i into stage i % S (an empty group past the end)
     if (i < my_tiles) {
       const int t0 = t_begin + (warp + i * NW) * BN;
-      T* st = ring + (i % S) * C::STAGE;
+      unsigned char* st = ring + (i % S) * C::STAGE;
 #pragma unroll
       for (int c = 0; c < CPL; ++c) {
         const int idx = c * 32 + lane;
-        const int r = idx / CPR, col = (idx % CPR) * 8;
+        const int r = idx / CPR, col = (idx % CPR) * VEC;
         const int t = min(t0 + r, t_end - 1);  // a real token of this partition: never garbage
         const int blk = __ldg(bt + (t >> p.bs_log2));
-        const T* kp = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_elems + col;
-        cp_async16(st + r * LDS + col, kp, true);
-        cp_async16(st + (BN + r) * LDS + col, kp + p.v_offset, true);
+        const KV* kp = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_elems + col;
+        cp_async16(st + r * C::RLD + col * sizeof(KV), kp, true);
+        cp_async16(st + (BN + r) * C::RLD + col * sizeof(KV), kp + p.v_offset, true);
       }
     }
     cp_async_commit();
@@ -112,14 +125,29 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m[2] = {kNegBig, kNegBig}, l[2] = {0.f, 0.f};  // rows lane / 4 and lane / 4 + 8
-  const float sl2 = p.scale_log2;
+  const float sl2 = p.scale_log2 * p.k_scale;  // an fp8 cache's key scale folded in (1 otherwise)
 
   for (int i = 0; i < my_tiles; ++i) {
-    __syncwarp();  // every lane is done with the stage that issue() refills
+    __syncwarp();  // every lane is done with the stage that issue() refills (and with the converted tile)
     issue(i + S - 1);
     cp_async_wait<S - 1>();
-    __syncwarp();  // tile i's copies by every lane have landed
-    const T* sK = ring + (i % S) * C::STAGE;
+    const unsigned char* stage = ring + (i % S) * C::STAGE;
+    if constexpr (FP8) {  // the chunks this lane copied, 16 fp8 values each, into the 16-bit tile
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) {
+        const int idx = c * 32 + lane;
+        const int r = idx / CPR, col = (idx % CPR) * VEC;
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(stage + (kv * BN + r) * C::RLD + col);
+          uint4* dst = reinterpret_cast<uint4*>(tile16 + (kv * BN + r) * LDS + col);
+          dst[0] = fp8x8_to<T>(make_uint2(raw.x, raw.y));
+          dst[1] = fp8x8_to<T>(make_uint2(raw.z, raw.w));
+        }
+      }
+    }
+    __syncwarp();  // tile i's copies (fp8: conversions) by every lane have landed
+    const T* sK = FP8 ? tile16 : reinterpret_cast<const T*>(stage);
     const T* sV = sK + BN * LDS;
 
     float sc[2][4];
@@ -209,43 +237,54 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 }
 
 // Allows the kernel its dynamic shared memory (over the 48 KiB default); once per instantiation.
-template <typename T, int D, bool CAP>
+template <typename T, typename KV, int D, bool CAP>
 cudaError_t configure_group_mma() {
-  static const cudaError_t e = cudaFuncSetAttribute(group_mma_decode_kernel<T, D, CAP>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, GroupMmaCfg<D>::SMEM);
+  using C = GroupMmaCfg<D, std::is_same<KV, Fp8E4M3>::value>;
+  static const cudaError_t e = cudaFuncSetAttribute(group_mma_decode_kernel<T, KV, D, CAP>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
   return e;
 }
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
 int launch_group_mma(const AttnParams& p, cudaStream_t st) {
-  using C = GroupMmaCfg<D>;
+  using C = GroupMmaCfg<D, std::is_same<KV, Fp8E4M3>::value>;
   const bool cap = p.softcap_log2 > 0.f;
-  if (const cudaError_t e = cap ? configure_group_mma<T, D, true>() : configure_group_mma<T, D, false>();
+  if (const cudaError_t e = cap ? configure_group_mma<T, KV, D, true>() : configure_group_mma<T, KV, D, false>();
       e != cudaSuccess)
     return (int)e;
   const dim3 grid(p.num_rows, p.Hkv, p.P);
-  const int e = launch_pdl(cap ? group_mma_decode_kernel<T, D, true> : group_mma_decode_kernel<T, D, false>, grid,
-                           dim3(C::NT), C::SMEM, st, p);
+  const int e = launch_pdl(cap ? group_mma_decode_kernel<T, KV, D, true> : group_mma_decode_kernel<T, KV, D, false>,
+                           grid, dim3(C::NT), C::SMEM, st, p);
   if (e != 0) return e;
   return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
 }
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
 int occupancy_group_mma_t() {
-  if (configure_group_mma<T, D, false>() != cudaSuccess) return 1;
+  using C = GroupMmaCfg<D, std::is_same<KV, Fp8E4M3>::value>;
+  if (configure_group_mma<T, KV, D, false>() != cudaSuccess) return 1;
   int n = 0;
-  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, group_mma_decode_kernel<T, D>, 128,
-                                                                      GroupMmaCfg<D>::SMEM);
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, group_mma_decode_kernel<T, KV, D>, 128,
+                                                                      C::SMEM);
   return e == cudaSuccess && n > 0 ? n : 1;
 }
 
+// The head dims group_mma_applies admits: 64 (16-bit or fp8 cache) and 128 (fp8 cache).
 template <typename T>
 int launch_group_mma_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
-  return head_dim == 64 ? launch_group_mma<T, 64>(p, st) : -1;
+  if (p.cache_fp8)
+    return head_dim == 64    ? launch_group_mma<T, Fp8E4M3, 64>(p, st)
+           : head_dim == 128 ? launch_group_mma<T, Fp8E4M3, 128>(p, st)
+                             : -1;
+  return head_dim == 64 ? launch_group_mma<T, T, 64>(p, st) : -1;
 }
 template <typename T>
-int occupancy_group_mma_dtype(int head_dim) {
-  return head_dim == 64 ? occupancy_group_mma_t<T, 64>() : 1;
+int occupancy_group_mma_dtype(int head_dim, int cache_fp8) {
+  if (cache_fp8)
+    return head_dim == 64 ? occupancy_group_mma_t<T, Fp8E4M3, 64>()
+           : head_dim == 128 ? occupancy_group_mma_t<T, Fp8E4M3, 128>()
+                             : 1;
+  return head_dim == 64 ? occupancy_group_mma_t<T, T, 64>() : 1;
 }
 
 }  // namespace pagednb

@@ -225,13 +225,17 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
   }
   if (!valid) return;
   const int64_t slot = write_cache && !is_q ? __ldg(a.slots + tok) : -1;
-  T* cached = slot < 0 ? nullptr
-                       : static_cast<T*>(a.cache) + (is_v ? a.cache_v_offset : 0) +
-                             (slot * a.num_kv_heads + kvh) * D + lane * E;
+  // the element offset of this lane's part of the row in the cache (an fp8 cache: 1 byte per element,
+  // stored fp8(x / scale) 8 bytes per 16-byte vector of T)
+  const int64_t cached_at = (is_v ? a.cache_v_offset : 0) + (slot * a.num_kv_heads + kvh) * D + lane * E;
+  T* cached = slot < 0 || a.cache_fp8 ? nullptr : static_cast<T*>(a.cache) + cached_at;
+  uint8_t* cached8 = slot < 0 || !a.cache_fp8 ? nullptr : static_cast<uint8_t*>(a.cache) + cached_at;
+  const float cache_scale = is_v ? a.v_scale : a.k_scale;
   if (is_v) {  // values go to the cache as they are
-    if (cached != nullptr) {
 #pragma unroll
-      for (int j = 0; j < NV; ++j) store_vec(cached + j * VEC, v + j * VEC);
+    for (int j = 0; j < NV; ++j) {
+      if (cached != nullptr) store_vec(cached + j * VEC, v + j * VEC);
+      if (cached8 != nullptr) store_fp8_vec<T>(cached8 + j * VEC, v + j * VEC, cache_scale);
     }
     return;
   }
@@ -247,6 +251,11 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
       o[e] = add(round_to<T>(mul(v[j * VEC + e], c[e])), round_to<T>(mul(rot[j * VEC + e], s[e])));
     store_vec(p + j * VEC, o);
     if (cached != nullptr) store_vec(cached + j * VEC, o);
+    if (cached8 != nullptr) {  // k as stored in the model's dtype, then quantised (the reference's order)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o[e] = round_to<T>(o[e]);
+      store_fp8_vec<T>(cached8 + j * VEC, o, cache_scale);
+    }
   }
 }
 

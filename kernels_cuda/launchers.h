@@ -40,19 +40,28 @@ struct AttnParams {
   int row_variant;           // row kernel: 2 = tensor cores for large GQA groups where group_mma_applies, else
                              // as 1 (the default); 1 = cp.async ring (16-bit types); 0 = direct loads
   float softcap_log2;        // attention logit soft-capping (Gemma 2) in log2 units, softcap * log2(e); 0: none
+  int cache_fp8;             // 1: the cache holds float8 e4m3, fp8(x / scale) (common.cuh); 0: the query's dtype
+  float k_scale, v_scale;    // an fp8 cache's per-layer scales (keys read as fp8 * k_scale); 1 otherwise
 };
 
 // The tensor-core decode kernel (decode_group_mma.cuh) serves the rows of 16-bit models with 4 to 16 query
 // heads per kv head at head_dim 64 (Llama 3.2 1B/3B), under row_variant 2: there the row kernel is
 // instruction-bound (benchmarks/NOTES.md). At head_dim 128 the row kernel already reads K/V at ~4 TB/s and
-// keeps them. Bindings (split plan) and launchers (dispatch) both ask this one function.
-inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant) {
-  return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= 4 && G <= 16 && head_dim == 64;
+// keeps them. Over an fp8 cache the row kernel does twice the multiply-adds per byte read (plus the
+// conversions), so for 4-16 heads the tensor-core kernel serves head_dim 128 as well; with 2 heads per kv head
+// the row kernel reads fp8 at 3,612 GB/s, the tensor-core one at 2,305 (benchmarks/NOTES.md, issue 19).
+// Bindings (split plan) and launchers (dispatch) both ask this one function.
+inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant, int cache_fp8) {
+  return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= 4 && G <= 16 &&
+         (head_dim == 64 || (cache_fp8 && head_dim == 128));
 }
 
 // Whether the launchers ask for programmatic dependent launch (common.cuh's launch_pdl): the current device is
 // sm_90 or later and PAGEDNB_PDL is not "0" (read once per process, for A/B runs). Defined in bindings.cpp.
 bool pdl_enabled();
+// Query heads per row-kernel CTA (its GMAX). An fp8 cache's lanes hold 16 elements of each head (q and the
+// accumulator in registers: twice a 16-bit cache's), so it stops at 4 heads per CTA rather than spill.
+inline int row_gmax(int G, int cache_fp8) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 || cache_fp8 ? 4 : 8; }
 
 // Each launcher returns 0 or a CUDA error code (cudaError_t as int); -1: unsupported configuration.
 // Row (decode / float32) kernel, one definition per dtype file (decode_<dtype>.cu):
@@ -60,10 +69,10 @@ int launch_row_f32(int head_dim, const AttnParams& p, void* stream);
 int launch_row_f16(int head_dim, const AttnParams& p, void* stream);
 int launch_row_bf16(int head_dim, const AttnParams& p, void* stream);
 int occupancy_row_f32(int head_dim, int gmax, int variant);  // resident CTAs per SM
-int occupancy_row_f16(int head_dim, int gmax, int variant);
-int occupancy_row_bf16(int head_dim, int gmax, int variant);
-int occupancy_group_mma_f16(int head_dim);  // resident CTAs per SM of the tensor-core decode kernel
-int occupancy_group_mma_bf16(int head_dim);
+int occupancy_row_f16(int head_dim, int gmax, int variant, int cache_fp8);
+int occupancy_row_bf16(int head_dim, int gmax, int variant, int cache_fp8);
+int occupancy_group_mma_f16(int head_dim, int cache_fp8);  // resident CTAs per SM of the tensor-core decode kernel
+int occupancy_group_mma_bf16(int head_dim, int cache_fp8);
 // Tensor-core prefill kernel (prefill_<dtype>.cu):
 int launch_prefill_f16(int head_dim, const AttnParams& p, void* stream);
 int launch_prefill_bf16(int head_dim, const AttnParams& p, void* stream);
@@ -73,6 +82,11 @@ int occupancy_prefill_bf16(int head_dim);
 int launch_write_kv(const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
                     void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens,
                     int64_t row_bytes, void* stream);
+// The same into an fp8 cache: key/value rows of row_elems bf16/fp16 values (dtype; byte strides, 16-byte
+// aligned, row_elems a multiple of 8) stored as fp8(k / k_scale), fp8(v / v_scale).
+int launch_write_kv_fp8(int dtype, const void* key, const void* value, int64_t k_stride_tok, int64_t v_stride_tok,
+                        void* cache, int64_t v_offset_bytes, const int64_t* slots, int num_tokens, int row_elems,
+                        float k_scale, float v_scale, void* stream);
 
 // ---- fused elementwise ops (fused_ops.cu) ----------------------------------------------------------------
 // Element strides; every row start, stride and length is a multiple of 16 bytes.
@@ -117,6 +131,8 @@ struct QkRopeArgs {          // in place on q [N, H, D] and k [N, Hkv, D] (last 
   void* cache;
   int64_t cache_v_offset;    // elements from the K half to the V half
   const int64_t* slots;
+  int cache_fp8;             // 1: a float8 e4m3 cache (16-bit models), stored fp8(k / k_scale), fp8(v / v_scale)
+  float k_scale, v_scale;
 };
 
 int launch_rms_norm(int dtype, const RmsNormArgs& a, void* stream);

@@ -12,7 +12,13 @@
 // 256, exact after the final division), so the O rescale is skipped on almost every tile.
 // The output goes through shared memory (the warp's own Q rows) so that global stores are 16 bytes.
 // Sequences with query_len == 1 are left to the row (decode) kernel.
+// An fp8 cache (KV = Fp8E4M3): each thread loads its 8-byte chunks (8 fp8 values) of the next K/V tile
+// into registers before the current tile's math and stores them converted to T after it, into the same
+// 16-bit tile layout the cp.async path fills, so the loads still overlap the math; k_scale is folded into
+// the score scale and v_scale into the final normalisation.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 #include "launchers.h"
@@ -39,8 +45,9 @@ __device__ __forceinline__ void cp_async16_all(void* dst, const void* src) {
 
 constexpr float kRescaleLog2 = 8.f;  // raise the running max only when it grows by more than 2^8
 
-template <typename T, int D, class C>
+template <typename T, typename KV, int D, class C>  // KV: the cache's element type (T, or Fp8E4M3)
 __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParams p) {
+  constexpr bool FP8 = std::is_same<KV, Fp8E4M3>::value;
   constexpr int BM = C::BM, BN = C::BN, LDS = C::LDS, NT = C::NT, MT = C::MT, WR = C::WR;
   constexpr int OB = D / 8;     // 8-column blocks of the accumulator
   constexpr int CPR = D / 8;    // 16-byte chunks per row
@@ -93,9 +100,9 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
   // outside [kv_lo, kv_hi) are clamped into it: they are masked (p = 0 exactly) and the row read is a
   // real one of this sequence, so no block outside the needed range is ever touched.
   const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
-  const char* cache = reinterpret_cast<const char*>(p.cache) + ((int64_t)kvh * D + cc) * 2;
-  const uint32_t row_bytes = (uint32_t)p.Hkv * D * 2;
-  const int64_t v_bytes = p.v_offset * 2;
+  const char* cache = reinterpret_cast<const char*>(p.cache) + ((int64_t)kvh * D + cc) * sizeof(KV);
+  const uint32_t row_bytes = (uint32_t)p.Hkv * D * sizeof(KV);
+  const int64_t v_bytes = p.v_offset * sizeof(KV);
   const int bs_log2 = p.bs_log2, bs_mask = (1 << bs_log2) - 1;
   constexpr int RPT = BN / RP;  // rows each thread copies per tile
   const int prow = tid % BN;    // the row this thread plans (threads tid < BN)
@@ -108,7 +115,8 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
     const int t = min(max(kt_first + j * BN + prow, kv_lo), kv_hi - 1);
     plan_slot[buf * BN] = ((uint32_t)blk << bs_log2) + (uint32_t)(t & bs_mask);
   };
-  auto load_kv = [&](int buf) {
+  uint2 staged[FP8 ? 2 * RPT : 1];  // an fp8 cache: this thread's chunks of the next tile, K then V per row
+  auto load_kv = [&](int buf) {  // a 16-bit cache: cp.async into the tile; fp8: into `staged`
     T* dk = sK + buf * BN * LDS + cc;
     T* dv = sV + buf * BN * LDS + cc;
     uint32_t ri[RPT];
@@ -123,8 +131,24 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const char* src = cache + (uint64_t)ri[i] * row_bytes;
-      cp_async16_all(dk + (cr + i * RP) * LDS, src);
-      cp_async16_all(dv + (cr + i * RP) * LDS, src + v_bytes);
+      if constexpr (FP8) {
+        staged[2 * i] = __ldg(reinterpret_cast<const uint2*>(src));
+        staged[2 * i + 1] = __ldg(reinterpret_cast<const uint2*>(src + v_bytes));
+      } else {
+        cp_async16_all(dk + (cr + i * RP) * LDS, src);
+        cp_async16_all(dv + (cr + i * RP) * LDS, src + v_bytes);
+      }
+    }
+  };
+  auto store_staged = [&](int buf) {  // an fp8 cache: the staged chunks, converted to T, into tile buf
+    if constexpr (FP8) {
+      T* dk = sK + buf * BN * LDS + cc;
+      T* dv = sV + buf * BN * LDS + cc;
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        *reinterpret_cast<uint4*>(dk + (cr + i * RP) * LDS) = fp8x8_to<T>(staged[2 * i]);
+        *reinterpret_cast<uint4*>(dv + (cr + i * RP) * LDS) = fp8x8_to<T>(staged[2 * i + 1]);
+      }
     }
   };
   if (tid < BN) {
@@ -134,6 +158,7 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
   }
   __syncthreads();
   load_kv(0);
+  store_staged(0);
   cp_async_commit();
 
   const int wr0 = warp * WR;                     // the warp's first row in the tile
@@ -162,7 +187,7 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
   float m[MT][2], l[MT][2];
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi) m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.f;
-  const float sl2 = p.scale_log2;
+  const float sl2 = p.scale_log2 * p.k_scale;  // an fp8 cache's key scale folded in (1 otherwise)
   const float cap = p.softcap_log2 / sl2;  // the soft-cap in the units of the raw scores (q . k)
 
   for (int j = 0; j < nkv; ++j) {
@@ -295,6 +320,7 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
       }
     }
     if (plan) plan_store(j + 2, pblk, j & 1);
+    if (j + 1 < nkv) store_staged((j + 1) & 1);
     __syncthreads();  // the next iteration's loads overwrite this buffer and read the new row table
   }
 
@@ -309,7 +335,7 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
         float lt = l[mi][rh];
         lt += __shfl_xor_sync(0xffffffffu, lt, 1);
         lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        const float inv = 1.f / lt;
+        const float inv = p.v_scale / lt;
         T* orow = sO + (mi * 16 + (lane >> 2) + 8 * rh) * LDS + 2 * (lane & 3);
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
@@ -327,27 +353,28 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
   }
 }
 
-template <typename T, int D, class C>
+template <typename T, typename KV, int D, class C>
 int configure_prefill() {
   static int state = -1;  // raise the dynamic shared-memory limit once per process
   if (state < 0) {
-    cudaError_t e = cudaFuncSetAttribute(prefill_kernel<T, D, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    cudaError_t e = cudaFuncSetAttribute(prefill_kernel<T, KV, D, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         C::SMEM);
     if (e == cudaSuccess && C::MINB > 1)  // room for MINB CTAs: all of the unified L1 as shared memory
-      e = cudaFuncSetAttribute(prefill_kernel<T, D, C>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      e = cudaFuncSetAttribute(prefill_kernel<T, KV, D, C>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                (int)cudaSharedmemCarveoutMaxShared);
     state = (int)e;
   }
   return state;
 }
 
-template <typename T, int D, class C>
+template <typename T, typename KV, int D, class C>
 int launch_prefill_cfg(const AttnParams& p, cudaStream_t st) {
-  if (int e = configure_prefill<T, D, C>()) return e;
+  if (int e = configure_prefill<T, KV, D, C>()) return e;
   AttnParams q = p;
   q.max_tiles = (p.max_query_len + C::BM - 1) / C::BM;
   if (q.max_tiles <= 0) return 0;
   const dim3 grid(p.H, q.max_tiles, p.num_seqs);
-  prefill_kernel<T, D, C><<<grid, C::NT, C::SMEM, st>>>(q);
+  prefill_kernel<T, KV, D, C><<<grid, C::NT, C::SMEM, st>>>(q);
   return (int)cudaGetLastError();
 }
 
@@ -375,7 +402,8 @@ template <typename T>
 int launch_prefill_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
   return with_prefill_cfg(head_dim, [&](auto pick) {
     using P = decltype(pick);
-    return launch_prefill_cfg<T, P::D, typename P::Cfg>(p, st);
+    return p.cache_fp8 ? launch_prefill_cfg<T, Fp8E4M3, P::D, typename P::Cfg>(p, st)
+                       : launch_prefill_cfg<T, T, P::D, typename P::Cfg>(p, st);
   });
 }
 
@@ -385,9 +413,9 @@ int occupancy_prefill_dtype(int head_dim) {
   return with_prefill_cfg(head_dim, [&](auto pick) {
     using P = decltype(pick);
     using C = typename P::Cfg;
-    if (configure_prefill<T, P::D, C>() != 0) return -1;
+    if (configure_prefill<T, T, P::D, C>() != 0) return -1;
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prefill_kernel<T, P::D, C>, C::NT, C::SMEM) != cudaSuccess)
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prefill_kernel<T, T, P::D, C>, C::NT, C::SMEM) != cudaSuccess)
       return -1;
     return n;
   });

@@ -13,6 +13,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
            "float": torch.float32}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# the KV cache's element type (vLLM's names): "auto" is the model's dtype; "fp8" and "fp8_e4m3" store
+# float8 e4m3 with a scale per layer (attention/kv_quant.py), half the bytes of bf16. vLLM's "fp8_e5m2" is
+# refused: the kernels read e4m3 only.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 # "auto" and "safetensors" (vLLM's name) read the checkpoint; "dummy": random weights from config.json alone
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -63,6 +67,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on for a GPU (host work overlaps the device's), off on a CPU
     load_format: str = "auto"  # "auto"/"safetensors": the checkpoint; "dummy": random weights, no checkpoint read
     tensor_parallel_size: int = 1  # GPUs (CPU: processes) the model is split over (pagednb/distributed/)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3, scaled per layer
 
     def validate(self) -> None:
         """Checks every field's type and range (TypeError / ValueError naming the field and what it
@@ -89,6 +94,7 @@ class EngineConfig:
         as_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         as_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         as_choice("load_format", self.load_format, LOAD_FORMATS)
+        as_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         for name in ("enable_prefix_caching", "trust_remote_code", "enforce_eager"):
             as_bool(name, getattr(self, name))
         if self.async_scheduling is not None:
@@ -109,6 +115,10 @@ class EngineConfig:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         _check(self.dtype in _DTYPES, f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         return _DTYPES[self.dtype]
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's element type: the model's for "auto", else float8 e4m3 (1 byte per element)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         if self.max_model_len is None:

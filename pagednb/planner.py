@@ -89,7 +89,7 @@ def plan(llm, prompt_tokens: int, output_tokens: int, users: int = 1, *, shared_
     max_model_len = engine.max_model_len if max_model_len is None else as_int(
         "max_model_len", max_model_len, f"an int in [1, {engine.spec.max_position_embeddings}]", 1,
         engine.spec.max_position_embeddings)
-    kv_dtype = engine.dtype if dtype is None else _dtype(dtype)
+    kv_dtype = engine.runner.kv_cache_dtype if dtype is None else _dtype(dtype)
     bytes_per_token = engine.spec.kv_bytes_per_token(kv_dtype)
     block_size = config.block_size
     block_bytes = bytes_per_token * block_size
@@ -115,17 +115,20 @@ def plan(llm, prompt_tokens: int, output_tokens: int, users: int = 1, *, shared_
         bytes_per_token, str(kv_dtype).removeprefix("torch."), max_model_len, config.max_num_seqs, caching,
         per_user, shared, unshared, fit, limit, bytes_needed,
         _utilization_needed(engine, bytes_needed) if on_gpu else None, None if on_gpu else bytes_needed,
-        {name: _users_in(budget, engine.spec.kv_bytes_per_token(_DTYPES[name]) * block_size, per_user, shared, cap,
+        {name: _users_in(budget, engine.spec.kv_bytes_per_token(_KV_DTYPES[name]) * block_size, per_user, shared, cap,
                          config.max_num_seqs, too_long)
-         for name in ("float32", "bfloat16")})
+         for name in ("float32", "bfloat16", "fp8")})
+
+
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # + the fp8 cache
 
 
 def _dtype(name) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
+    if name not in _KV_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_KV_DTYPES)}, got {name!r}")
+    return _KV_DTYPES[name]
 
 
 def memory_budget(engine, gpu_memory_utilization: float | None, kv_cache_memory: int | None) -> int:

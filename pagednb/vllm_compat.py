@@ -16,7 +16,6 @@ IGNORED_WHEN: dict[str, tuple] = {
     "data_parallel_size": (1,),
     "distributed_executor_backend": (None, "mp"),  # tensor-parallel workers are spawned processes
     "quantization": (None,),
-    "kv_cache_dtype": ("auto",),
     "calculate_kv_scales": (False,),
     "cpu_offload_gb": (0,),
     "swap_space": (4, 0),  # pagednb preempts by recomputing, never swaps: no CPU space to reserve

@@ -53,7 +53,7 @@ def test_what_ifs_resize_the_pool_as_the_engine_would(make_llm):
     assert doubled.num_blocks == make_llm(kv_cache_memory=2 * budget).stats()["num_blocks"] == 128
     assert doubled.users_fit == 128 // 5
     p = plan(llm, 30, 10)
-    assert p.users_fit_by_dtype == {"float32": 64 // 5, "bfloat16": 128 // 5}  # half the bytes per token
+    assert p.users_fit_by_dtype == {"float32": 64 // 5, "bfloat16": 128 // 5, "fp8": 256 // 5}  # halving bytes/token
     assert plan(llm, 30, 10, dtype="bfloat16").num_blocks == 128
 
 

@@ -59,7 +59,7 @@ def test_get_metrics_lists_counters_and_gauges_from_stats(llm):
 
 @pytest.mark.parametrize("name, value", [
     ("quantization", "awq"), ("swap_space", 8), ("cpu_offload_gb", 4), ("distributed_executor_backend", "ray"),
-    ("pipeline_parallel_size", 2), ("speculative_config", {"method": "ngram"}), ("kv_cache_dtype", "fp8"),
+    ("pipeline_parallel_size", 2), ("speculative_config", {"method": "ngram"}), ("calculate_kv_scales", True),
     ("enable_lora", True), ("max_loras", 4), ("enable_chunked_prefill", False), ("data_parallel_size", 2),
     ("logprobs_mode", "processed_logprobs"), ("logprobs_mode", "raw_logits"), ("logprobs_mode", "processed_logits"),
 ])
@@ -70,7 +70,7 @@ def test_vllm_only_options_are_refused_naming_them(model, name, value):
 
 def test_harmless_vllm_options_are_accepted_and_ignored(model):
     harmless = dict(distributed_executor_backend="mp", pipeline_parallel_size=1, disable_log_stats=True,
-                    swap_space=4, quantization=None, kv_cache_dtype="auto", enable_lora=False,
+                    swap_space=4, quantization=None, enable_lora=False,
                     enable_chunked_prefill=True, cpu_offload_gb=0, logprobs_mode="raw_logprobs")
     with LLM(model, num_kv_blocks=8, max_model_len=64, **harmless) as llm:
         assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished

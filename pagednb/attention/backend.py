@@ -54,17 +54,21 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key/value: [num_tokens, num_kv_heads, head_dim]; rows whose slot is -1 are not written."""
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """key/value: [num_tokens, num_kv_heads, head_dim]; rows whose slot is -1 are not written. An fp8
+        cache (float8_e4m3fn) stores fp8(key / k_scale) and fp8(value / v_scale) (attention/kv_quant.py);
+        other caches ignore the scales."""
 
     @abstractmethod
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+               scale: float, sliding_window: int | None, softcap: float | None = None,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim] -> output of the same shape.
 
         Query row j of sequence i sits at position p = seq_len_i - query_len_i + (j - start_i) and
         attends to cached tokens t of sequence i with t <= p and, if sliding_window is W, p - t < W
         (the same rule as HF transformers' sliding-window mask). num_heads is a multiple of
         num_kv_heads (GQA): query head h reads kv head h // (num_heads // num_kv_heads). softcap c (Gemma 2's
-        attn_logit_softcapping): each scaled score s becomes c * tanh(s / c) before the softmax.
+        attn_logit_softcapping): each scaled score s becomes c * tanh(s / c) before the softmax. An fp8
+        cache's keys and values are read as stored * k_scale and stored * v_scale.
         """

@@ -10,6 +10,11 @@ skipped); `attend` runs
   * the tensor-core prefill kernel (mma.sync, FlashAttention-2 style) for sequences with more than one
     new token (prefill chunks, prefix hits) in bf16/fp16.
 Both kernels read the same metadata and pick their own sequences, so a mixed batch is two launches.
+An fp8 cache (float8_e4m3fn, attention/kv_quant.py) under a bf16/fp16 model: the cache write quantises,
+the row and prefill kernels convert fp8 to float / to the model's type as they read, with the layer's
+k_scale and v_scale as plain kernel arguments (captured by the decode CUDA graphs); its decode rows with
+4-16 query heads per kv head take the tensor-core kernel at head_dim 64 and 128, others the row kernel
+(16 fp8 values per 16-byte load). Under a float32 model an fp8 cache runs on the reference.
 Anything the kernels do not cover (another dtype, head_dim or block size) goes to the reference.
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ import warnings
 import torch
 
 from pagednb.attention.backend import AttentionBackend, AttentionMetadata
+from pagednb.attention.kv_quant import is_fp8
 from pagednb.attention.torch_ref import TorchReferenceBackend
 from pagednb.kernels import AttnParams, check_status, current_stream, dtype_codes, head_dims, load_error, load_kernels
 
@@ -114,46 +120,67 @@ class CudaPagedBackend(AttentionBackend):
                           "those layers use the reference backend", RuntimeWarning, stacklevel=3)
         return self._reference
 
+    def _fp8_reason(self, query_dtype: torch.dtype, kv_cache: torch.Tensor) -> str | None:
+        """Why an fp8 cache cannot be on the kernels with this query dtype (None: it can, or no fp8 cache)."""
+        if is_fp8(kv_cache.dtype) and query_dtype not in (torch.bfloat16, torch.float16):
+            return f"an fp8 KV cache under a {str(query_dtype).removeprefix('torch.')} model (bf16/fp16 only)"
+        return None
+
     # ---- cache write -----------------------------------------------------------------------------
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        if kv_cache.device.type != "cuda" or not kv_cache.is_contiguous():
-            return self._fallback("a non-contiguous or non-CUDA cache").write_kv(key, value, kv_cache, slot_mapping)
+        reason = (self._fp8_reason(key.dtype, kv_cache) or
+                  (None if kv_cache.device.type == "cuda" and kv_cache.is_contiguous()
+                   else "a non-contiguous or non-CUDA cache"))
+        if reason is not None:
+            return self._fallback(reason).write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
         n = min(slot_mapping.shape[0], key.shape[0])
         if n == 0:
             return
-        if key.dtype != kv_cache.dtype:
-            key = key.to(kv_cache.dtype)
-        if value.dtype != kv_cache.dtype:
-            value = value.to(kv_cache.dtype)
+        fp8 = is_fp8(kv_cache.dtype)
+        row_dtype = key.dtype if fp8 else kv_cache.dtype  # an fp8 cache quantises the 16-bit rows as it writes
+        if key.dtype != row_dtype:
+            key = key.to(row_dtype)
+        if value.dtype != row_dtype:
+            value = value.to(row_dtype)
         if key.stride(-1) != 1 or key.stride(-2) != head_dim:
             key = key.contiguous()
         if value.stride(-1) != 1 or value.stride(-2) != head_dim:
             value = value.contiguous()
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
             slot_mapping = slot_mapping.to(torch.int64).contiguous()
-        es = kv_cache.element_size()
+        es = key.element_size()
+        if fp8 and (key.data_ptr() | key.stride(0) * es) % 16:  # the quantising write reads 16-byte vectors
+            key = key.clone()
+        if fp8 and (value.data_ptr() | value.stride(0) * es) % 16:
+            value = value.clone()
         row_bytes = num_kv_heads * head_dim * es
+        cache_row_bytes = num_kv_heads * head_dim * kv_cache.element_size()
         rc = self._lib.pagednb_write_kv(
             key.data_ptr(), value.data_ptr(), key.stride(0) * es, value.stride(0) * es, kv_cache.data_ptr(),
-            kv_cache.shape[1] * kv_cache.shape[2] * row_bytes, slot_mapping.data_ptr(), n, row_bytes,
-            current_stream(kv_cache))
+            kv_cache.shape[1] * kv_cache.shape[2] * cache_row_bytes, slot_mapping.data_ptr(), n, row_bytes,
+            self._dtype_codes[key.dtype] if fp8 else -1, k_scale, v_scale, current_stream(kv_cache))
         self._check(rc, "write_kv")
 
     # ---- attention -------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+               scale: float, sliding_window: int | None, softcap: float | None = None,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        fp8 = is_fp8(kv_cache.dtype)
         reason = self.unsupported_reason(query.dtype, head_dim, block_size, query.device)
-        if reason is None and (kv_cache.dtype != query.dtype or not kv_cache.is_contiguous()
+        if reason is None and fp8:
+            reason = self._fp8_reason(query.dtype, kv_cache)
+        if reason is None and ((kv_cache.dtype != query.dtype and not fp8) or not kv_cache.is_contiguous()
                                or kv_cache.data_ptr() % 16):
             reason = "a cache whose dtype differs from the query's, or a non-contiguous cache"
         if reason is None and num_heads % num_kv_heads:
             reason = f"{num_heads} query heads over {num_kv_heads} kv heads"
         if reason is not None:
-            return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window, softcap)
+            return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window, softcap,
+                                                 k_scale, v_scale)
 
         plan = getattr(metadata, "_cuda_plan", None)
         if plan is None:
@@ -182,15 +209,17 @@ class CudaPagedBackend(AttentionBackend):
         p.scale_log2 = scale * LOG2E
         p.softcap_log2 = softcap * LOG2E if softcap else 0.0
         p.row_variant = self.row_variant
+        p.cache_fp8 = int(fp8)
+        p.k_scale, p.v_scale = (k_scale, v_scale) if fp8 else (1.0, 1.0)
         stream = current_stream(query)
 
         rows_on_cuda_cores = query.dtype == torch.float32 or not plan.has_chunk
         if rows_on_cuda_cores or plan.num_decode:
             decode_only = 0 if rows_on_cuda_cores else 1
-            key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only, self.row_variant)
+            key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only, self.row_variant, fp8)
             rp = plan.row_plans.get(key)
             if rp is None:
-                rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant,
+                rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant, fp8,
                                     plan.rows if decode_only == 0 else plan.num_decode,
                                     min(plan.max_seq_len, window) if window else plan.max_seq_len, query.device)
                 plan.row_plans[key] = rp
@@ -207,15 +236,15 @@ class CudaPagedBackend(AttentionBackend):
                         "prefill attention")
         return out
 
-    def _row_plan(self, dtype: int, head_dim: int, group: int, num_kv_heads: int, variant: int, rows: int,
-                  range_max: int, device: torch.device) -> tuple[int, int, int]:
+    def _row_plan(self, dtype: int, head_dim: int, group: int, num_kv_heads: int, variant: int, fp8: bool,
+                  rows: int, range_max: int, device: torch.device) -> tuple[int, int, int]:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         sms = self._num_sms.get(idx)
         if sms is None:
             sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
         P, size, groups = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         rc = self._lib.pagednb_row_plan(dtype, head_dim, group, num_kv_heads, max(rows, 1), max(range_max, 1), sms,
-                                        variant, ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
+                                        variant, int(fp8), ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
         self._check(rc, "row plan")
         return P.value, size.value, groups.value
 

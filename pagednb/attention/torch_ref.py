@@ -2,7 +2,8 @@
 
 Decode rows (one new token per sequence) dominate a serving step, so they are computed for all such
 sequences in one batched op over a padded gather of their blocks. Prefill chunks are few and large,
-so looping over them costs little Python time. Math runs in float32 whatever the cache dtype.
+so looping over them costs little Python time. Math runs in float32 whatever the cache dtype. An fp8
+cache stores fp8(x / scale) and is read as fp8 * scale (attention/kv_quant.py): the oracle of the kernels.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pagednb.attention.backend import AttentionBackend, AttentionMetadata
+from pagednb.attention.kv_quant import FP8_DTYPE, dequantize, is_fp8, quantize
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -18,30 +20,36 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch_ref"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+        if is_fp8(kv_cache.dtype):  # scattered as bytes: torch's CUDA indexing kernels skip fp8 types
+            key, value = quantize(key, k_scale).view(torch.uint8), quantize(value, v_scale).view(torch.uint8)
+            kv_cache = kv_cache.view(torch.uint8)
         kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(kv_cache.dtype)
         kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(kv_cache.dtype)
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+               scale: float, sliding_window: int | None, softcap: float | None = None,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        kv_scales = (k_scale, v_scale) if is_fp8(kv_cache.dtype) else None
         starts = metadata.query_start_loc_cpu
         query_lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
         output = torch.zeros_like(query)  # rows past the last sequence (padding) stay zero
         decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_seqs:
-            self._attend_decode(query, output, kv_cache, metadata, decode_seqs, scale, sliding_window, softcap)
+            self._attend_decode(query, output, kv_cache, metadata, decode_seqs, scale, sliding_window, softcap,
+                                kv_scales)
         for i, n in enumerate(query_lens):
             if n > 1:
-                self._attend_chunk(query, output, kv_cache, metadata, i, scale, sliding_window, softcap)
+                self._attend_chunk(query, output, kv_cache, metadata, i, scale, sliding_window, softcap, kv_scales)
         return output
 
     def _attend_decode(self, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
                        md: AttentionMetadata, seqs: list[int], scale: float,
-                       window: int | None, softcap: float | None) -> None:
+                       window: int | None, softcap: float | None, kv_scales: tuple[float, float] | None) -> None:
         """All single-token rows at once: gather their blocks into one padded [B, T, Hkv, D]."""
         device = query.device
         if len(seqs) == md.num_seqs:  # the common pure-decode step: no index juggling
@@ -52,33 +60,39 @@ class TorchReferenceBackend(AttentionBackend):
             rows = md.query_start_loc[idx].long()
             seq_lens, tables = md.seq_lens[idx].long(), md.block_tables[idx]
         max_len = max(md.seq_lens_cpu[i] for i in seqs)
-        key, value = _gather_blocks(kv_cache, tables, max_len)
+        key, value = _gather_blocks(kv_cache, tables, max_len, kv_scales)
         positions = (seq_lens - 1)[:, None]  # [B, 1]: each row's own position
         allowed = _causal_window_mask(positions, key.shape[1], window)
         output[rows] = _masked_attention(query[rows][:, None], key, value, allowed, scale, softcap)[:, 0]
 
     def _attend_chunk(self, query: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
                       md: AttentionMetadata, seq: int, scale: float, window: int | None,
-                      softcap: float | None) -> None:
+                      softcap: float | None, kv_scales: tuple[float, float] | None) -> None:
         """One prefill chunk: its queries attend over the cached context plus themselves."""
         start, end = md.query_start_loc_cpu[seq], md.query_start_loc_cpu[seq + 1]
         seq_len = md.seq_lens_cpu[seq]
-        key, value = _gather_blocks(kv_cache, md.block_tables[seq:seq + 1], seq_len)
+        key, value = _gather_blocks(kv_cache, md.block_tables[seq:seq + 1], seq_len, kv_scales)
         positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)[None]
         allowed = _causal_window_mask(positions, seq_len, window)
         output[start:end] = _masked_attention(query[None, start:end], key, value, allowed, scale, softcap)[0]
 
 
-def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the first num_tokens tokens of each row's sequence: 2 x [B, T, Hkv, D]."""
+def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
+                   kv_scales: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first num_tokens tokens of each row's sequence: 2 x [B, T, Hkv, D];
+    kv_scales (an fp8 cache): dequantised to float32 with those (k, v) scales."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-num_tokens // block_size)
     blocks = block_tables[:, :num_blocks].long()
     batch = blocks.shape[0]
+    if kv_scales is not None:  # gathered as bytes: torch's CUDA indexing kernels skip fp8 types
+        kv_cache = kv_cache.view(torch.uint8)
     key = kv_cache[0][blocks].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
     value = kv_cache[1][blocks].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
-    return key[:, :num_tokens], value[:, :num_tokens]
+    key, value = key[:, :num_tokens], value[:, :num_tokens]
+    if kv_scales is not None:
+        key, value = dequantize(key.view(FP8_DTYPE), kv_scales[0]), dequantize(value.view(FP8_DTYPE), kv_scales[1])
+    return key, value
 
 
 def _causal_window_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ import traceback
 import torch
 
 from pagednb.attention.backend import AttentionMetadata
+from pagednb.attention.kv_quant import is_fp8
 from pagednb.attention.selector import select_attention_backend
 from pagednb.config import EngineConfig
 from pagednb.distributed.process_group import TensorParallelGroup, join_store
@@ -63,10 +64,12 @@ class Worker:
         self.max_model_len = config.resolve_max_model_len(spec.max_position_embeddings)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(device)
         torch.manual_seed(config.seed)
-        backend = select_attention_backend(device, config.attention_backend, uses_attention_softcap(spec, hf_config))
+        kv_cache_dtype = config.resolve_kv_cache_dtype(dtype)
+        backend = select_attention_backend(device, config.attention_backend, uses_attention_softcap(spec, hf_config),
+                                           fp8_cache_in_float32=is_fp8(kv_cache_dtype) and dtype == torch.float32)
         model = load_model(path, hf_config, spec, dtype, device, backend, config.load_format, tp=tp)
         self.runner = ModelRunner(model, device, dtype, config.block_size, config.max_num_seqs, self.max_model_len,
-                                  [], None, self.max_num_batched_tokens)
+                                  [], None, self.max_num_batched_tokens, kv_cache_dtype)
         self.runner.tensor_parallel = tp
         self.receiver = StepReceiver(tp, self.runner.buffers)
 

@@ -86,9 +86,10 @@ def plan_kv_pool(config: EngineConfig, runner: ModelRunner, max_model_len: int, 
     plan = PoolPlan(int(num_blocks), block_size, max_model_len, needed, source, gpu_memory)
     others = live_engines.describe(live_engines.on_device(runner.device))
     _refuse_if_too_small(plan, runner, max_num_batched_tokens, others)
-    logger.info("KV cache: %d tokens (%d blocks of %d, %s, from %s); max concurrency %.2fx at "
+    logger.info("KV cache: %d tokens (%d blocks of %d, %s in %s, from %s); max concurrency %.2fx at "
                 "max_model_len=%d", plan.num_tokens, plan.num_blocks, block_size,
-                format_bytes(plan.num_blocks * runner.block_bytes()), source, plan.max_concurrency, max_model_len)
+                format_bytes(plan.num_blocks * runner.block_bytes()), str(runner.kv_cache_dtype).removeprefix("torch."),
+                source, plan.max_concurrency, max_model_len)
     if runner.layout.is_hybrid:
         logger.info("Hybrid KV cache: %s", describe_hybrid_saving(plan, runner))
     if others:

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from pagednb.attention.kv_quant import is_fp8
 from pagednb.attention.selector import select_attention_backend
 from pagednb.config import EngineConfig
 from pagednb.distributed.parallel_layers import check_tensor_parallel, shard_spec
@@ -68,13 +69,15 @@ class LLMEngine:
         self.eos_token_ids = find_eos_token_ids(self.tokenizer, hf_config, self.model_path)
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.attention_backend = select_attention_backend(self.device, config.attention_backend,
-                                                          uses_attention_softcap(self.spec, hf_config))
+        kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        self.attention_backend = select_attention_backend(
+            self.device, config.attention_backend, uses_attention_softcap(self.spec, hf_config),
+            fp8_cache_in_float32=is_fp8(kv_cache_dtype) and self.dtype == torch.float32)
         # tensor parallel: ranks 1.. in spawned processes, loading their shards while this one loads its own
         self.workers = (WorkerPool.start(replace(config, model=str(self.model_path)), devices,
                                          self.attention_backend.name) if len(devices) > 1 else None)
         try:
-            self._load_model(hf_config)
+            self._load_model(hf_config, kv_cache_dtype)
         except BaseException:
             if self.workers is not None:
                 self.workers.close()
@@ -109,7 +112,7 @@ class LLMEngine:
         # collection here, while nothing is being served, resets that count.
         gc.collect()
 
-    def _load_model(self, hf_config) -> None:
+    def _load_model(self, hf_config, kv_cache_dtype: torch.dtype) -> None:
         """The weights (this rank's shard with tensor parallelism), the KV pool and the CUDA graphs."""
         config, t0 = self.config, time.perf_counter()
         tp = self.workers.group if self.workers is not None else None
@@ -118,7 +121,7 @@ class LLMEngine:
         logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
                     self.spec.architecture, self.device, time.perf_counter() - t0, self.attention_backend.name)
         runner_args = (model, self.device, self.dtype, config.block_size, config.max_num_seqs, self.max_model_len,
-                       sorted(self.eos_token_ids), self.generator, self.max_num_batched_tokens)
+                       sorted(self.eos_token_ids), self.generator, self.max_num_batched_tokens, kv_cache_dtype)
         self.runner = (ModelRunner(*runner_args) if self.workers is None
                        else TensorParallelRunner(self.workers, *runner_args))
         self.pool_plan = plan_kv_pool(config, self.runner, self.max_model_len, self.max_num_batched_tokens,

@@ -70,11 +70,13 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
                  max_num_seqs: int, max_model_len: int, eos_token_ids: list[int],
-                 generator: torch.Generator | None = None, max_num_batched_tokens: int = 8192) -> None:
+                 generator: torch.Generator | None = None, max_num_batched_tokens: int = 8192,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.spec = model.spec
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # float8_e4m3fn: an fp8 cache (attention/kv_quant.py)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -107,14 +109,14 @@ class ModelRunner:
     # ---- memory ----------------------------------------------------------------------------------
     def block_bytes(self) -> int:
         """Bytes of one block id: block_size tokens of the layers it spans (every layer, or one group's)."""
-        per_layer = self.spec.kv_bytes_per_token(self.dtype) // self.spec.num_layers
+        per_layer = self.spec.kv_bytes_per_token(self.kv_cache_dtype) // self.spec.num_layers
         return per_layer * self.layout.layers_per_block * self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         # Zeroed, not empty: a reference backend reads whole blocks and masks the unused slots, and
         # a NaN bit pattern left in never-written memory would survive a zero attention weight.
-        self.kv_cache_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache_tensors = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                                  for _ in range(self.layout.layers_per_block)]
         self.kv_caches = [self.kv_cache_tensors[j] for j in self.layout.layer_tensor]
 

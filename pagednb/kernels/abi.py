@@ -20,15 +20,16 @@ _IP = ctypes.POINTER(ctypes.c_int)
 # name: (argument types, result type); the order follows bindings.cpp
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     # attention (cuda_backend.py)
-    "pagednb_row_plan": ([_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _IP, _IP, _IP], _I32),
+    "pagednb_row_plan": ([_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _IP, _IP, _IP], _I32),
     "pagednb_row_attention": ([_I32, _I32, _VP, _VP], _I32),
     "pagednb_prefill_attention": ([_I32, _I32, _VP, _VP], _I32),
     "pagednb_prefill_occupancy": ([_I32, _I32], _I32),
-    "pagednb_write_kv": ([_VP, _VP, _I64, _I64, _VP, _I64, _VP, _I32, _I64, _VP], _I32),
+    "pagednb_write_kv": ([_VP, _VP, _I64, _I64, _VP, _I64, _VP, _I32, _I64, _I32, _F32, _F32, _VP], _I32),
     # fused elementwise ops (model/fused_ops.py)
     "pagednb_rms_norm": ([_I32, _VP, _VP, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _F32, _F32, _I32, _VP], _I32),
     "pagednb_qk_norm_rope": ([_I32, _VP, _I64, _I64, _VP, _I64, _I64, _VP, _VP, _I64, _VP, _VP,
-                              _I32, _I32, _I32, _I32, _F32, _F32, _I32, _VP, _I64, _I64, _VP, _I64, _VP, _VP], _I32),
+                              _I32, _I32, _I32, _I32, _F32, _F32, _I32, _VP, _I64, _I64, _VP, _I64, _VP,
+                              _I32, _F32, _F32, _VP], _I32),
     "pagednb_silu_and_mul": ([_I32, _VP, _VP, _I64, _I32, _I32, _VP], _I32),
     # temperature sampling (engine/sampling_kernel.py)
     "pagednb_sample_temperature": ([_I32, _VP, _I64, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _VP], _I32),
@@ -104,4 +105,5 @@ class AttnParams(ctypes.Structure):
         ("bs_log2", _I32), ("window", _I32), ("part_size", _I32), ("P", _I32),
         ("decode_only", _I32), ("max_query_len", _I32), ("max_tiles", _I32),
         ("scale_log2", _F32), ("row_variant", _I32), ("softcap_log2", _F32),
+        ("cache_fp8", _I32), ("k_scale", _F32), ("v_scale", _F32),
     ]

@@ -161,6 +161,9 @@ class Attention(nn.Module):
         self.scale = flavor.attention_scale if flavor.attention_scale is not None else d ** -0.5
         self.softcap = flavor.attention_softcap
         self.sliding_window = spec.sliding_windows[layer]
+        # an fp8 KV cache stores K / k_scale and V / v_scale (attention/kv_quant.py): 1.0 unless the checkpoint
+        # carries the layer's scales (model/kv_scales.py); plain floats, so CUDA graphs capture them as arguments
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor | NormedInput,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -176,14 +179,15 @@ class Attention(nn.Module):
         # on a GPU with pagednb's kernels: one launch, in place in the qkv output, that also writes the
         # step's K/V into the cache; otherwise (or with partial rotary) the ops one by one and the backend's
         # own cache write
-        fused = (qk_norm_rope_write_kv(q, k, v, *rope, *norm, kv_cache, metadata.slot_mapping, weight_offset=offset)
-                 if self.backend.name == "cuda" else None)
+        kv_scales = (self.k_scale, self.v_scale)
+        fused = (qk_norm_rope_write_kv(q, k, v, *rope, *norm, kv_cache, metadata.slot_mapping, weight_offset=offset,
+                                       kv_scales=kv_scales) if self.backend.name == "cuda" else None)
         if fused is not None:
             q, k = fused
         else:
             q, k = qk_norm_rope(q, k, *rope, *norm, weight_offset=offset)
-            self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping)
-        out = self.backend.attend(q, kv_cache, metadata, self.scale, self.sliding_window, self.softcap)
+            self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, *kv_scales)
+        out = self.backend.attend(q, kv_cache, metadata, self.scale, self.sliding_window, self.softcap, *kv_scales)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -23,6 +23,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from pagednb.attention.kv_quant import is_fp8
 from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes, head_dims
 from pagednb.model.rotary import apply_rotary
 
@@ -59,16 +60,18 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, weight_offset: float | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, weight_offset: float | None = None,
+                          kv_scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor] | None:
     """qk_norm_rope, plus the step's K (after the rotary embedding) and V written into the paged cache
     [2, num_blocks, block_size, Hkv, D] (attention/backend.py's layout) at slot_mapping (-1: skipped), in
-    the same launch. None when the kernel cannot serve these inputs: the caller then runs qk_norm_rope
-    and its backend's write_kv, which give the same q, k and cache."""
+    the same launch; an fp8 cache gets fp8(K / k_scale) and fp8(V / v_scale) (attention/kv_quant.py). None
+    when the kernel cannot serve these inputs: the caller then runs qk_norm_rope and its backend's write_kv,
+    which give the same q, k and cache."""
     kernels = _kernels_for(q, k, v, q_weight, k_weight)
     if kernels is None:
         return None
-    return kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, weight_offset, (v, kv_cache, slot_mapping))
+    return kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, weight_offset,
+                                (v, kv_cache, slot_mapping, *kv_scales))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -151,9 +154,10 @@ class FusedKernels:
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                      weight_offset: float | None = None,
-                     cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                     cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cache_write: (v, kv_cache, slot_mapping) to write the step's K/V into the cache as well."""
+        """cache_write: (v, kv_cache, slot_mapping, k_scale, v_scale) to write the step's K/V into the cache
+        as well (the scales apply to an fp8 cache only)."""
         code = self._dtype_codes.get(q.dtype)
         if code is None or q.dim() != 3 or k.dim() != 3:
             return None
@@ -217,24 +221,27 @@ def _kernels_for(x: torch.Tensor, *others: torch.Tensor | None) -> FusedKernels 
     return KERNELS.enabled()
 
 
-def _cache_write_args(cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
-                      k: torch.Tensor) -> tuple | None:
-    """(v, v strides, cache, V-half offset, slots) for the kernel (null pointers: no cache write), or None
-    if it cannot take them."""
+def _cache_write_args(cache_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None,
+                      q: torch.Tensor, k: torch.Tensor) -> tuple | None:
+    """(v, v strides, cache, V-half offset, slots, fp8 flag, k/v scales) for the kernel (null pointers: no
+    cache write), or None if it cannot take them. An fp8 cache only under a 16-bit model (float32 models
+    write through the reference)."""
     if cache_write is None:
-        return None, 0, 0, None, 0, None
-    v, kv_cache, slots = cache_write
+        return None, 0, 0, None, 0, None, 0, 1.0, 1.0
+    v, kv_cache, slots, k_scale, v_scale = cache_write
     n, hkv, d = k.shape
+    fp8 = is_fp8(kv_cache.dtype) and q.dtype != torch.float32
     if (v.shape != k.shape or v.dtype != q.dtype or v.stride(2) != 1 or v.device != q.device
             or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[-2:] != (hkv, d)
-            or kv_cache.dtype != q.dtype or not kv_cache.is_contiguous() or kv_cache.device != q.device
+            or (kv_cache.dtype != q.dtype and not fp8) or not kv_cache.is_contiguous() or kv_cache.device != q.device
             or slots.dtype != torch.int64 or slots.dim() != 1 or slots.stride(0) != 1 or slots.shape[0] < n
             or slots.device != q.device):
         return None
     es = q.element_size()
     if (v.data_ptr() | kv_cache.data_ptr() | (v.stride(0) | v.stride(1)) * es) % 16:
         return None
-    return v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(), kv_cache[0].numel(), slots.data_ptr()
+    return (v.data_ptr(), v.stride(0), v.stride(1), kv_cache.data_ptr(), kv_cache[0].numel(), slots.data_ptr(),
+            int(fp8), float(k_scale), float(v_scale))
 
 
 def _norm_weight(weight_offset: float | None) -> tuple[float, int]:

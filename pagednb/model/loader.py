@@ -16,6 +16,7 @@ import torch
 
 from pagednb.attention.backend import AttentionBackend
 from pagednb.model.decoder import CausalLM
+from pagednb.model.kv_scales import is_kv_scale, load_kv_scale
 from pagednb.model.layers import MergedLinear
 from pagednb.model.moe import FusedExperts, checkpoint_tensors
 from pagednb.model.registry import build_model
@@ -228,6 +229,9 @@ def _load_tensors(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) 
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", delay=1.0, leave=False)
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.tie_word_embeddings):
+            continue
+        if is_kv_scale(name):  # an FP8 checkpoint's KV cache scales: floats on the layer, not parameters
+            load_kv_scale(model, name, tensor)
             continue
         if name not in targets:
             unexpected.append(name)

@@ -45,7 +45,8 @@ class ModelSpec:
                 as_int(f"model config sliding_window (layer {i})", window, "None or an int >= 1", 1)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token occupies across all layers (sizes the block pool)."""
+        """Bytes of K and V one token occupies across all layers in the KV cache's dtype (sizes the block
+        pool; an fp8 cache: 1 byte per element)."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
@@ -130,7 +131,7 @@ def estimate_num_parameters(cfg) -> int:
 
 # ---- memory, before the weights are loaded -----------------------------------------------------------------
 def estimate_bytes(spec: ModelSpec, dtype: torch.dtype, *, block_size: int, max_model_len: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, num_kv_blocks: int | None) -> dict[str, int]:
+                   max_num_batched_tokens: int, num_kv_blocks: int | None, kv_dtype: torch.dtype) -> dict[str, int]:
     """The large allocations of a start-up and of one full step, by part: an underestimate on purpose
     (activations beyond the logits and allocator slack are left out), so a refusal is never a false
     alarm. num_kv_blocks None: the KV pool is sized later from what is left."""
@@ -144,7 +145,7 @@ def estimate_bytes(spec: ModelSpec, dtype: torch.dtype, *, block_size: int, max_
         "step buffers": 2 * max(max_num_batched_tokens, max_num_seqs) * (3 * 8 + spec.hidden_size * element),
     }
     if num_kv_blocks is not None:
-        parts["KV cache"] = num_kv_blocks * block_size * spec.kv_bytes_per_token(dtype)
+        parts["KV cache"] = num_kv_blocks * block_size * spec.kv_bytes_per_token(kv_dtype)
     return parts
 
 
@@ -155,13 +156,14 @@ def check_start_up_memory(spec: ModelSpec, config: EngineConfig, dtype: torch.dt
     or minutes of swapping. On a CPU without num_kv_blocks the KV pool is its byte budget (capped at what
     max_num_seqs full-length requests use); on a GPU it is sized later from what is left."""
     num_kv_blocks = config.num_kv_blocks
+    kv_dtype = config.resolve_kv_cache_dtype(dtype)
     if num_kv_blocks is None and device.type != "cuda":
-        block_bytes = spec.kv_bytes_per_token(dtype) * config.block_size
+        block_bytes = spec.kv_bytes_per_token(kv_dtype) * config.block_size
         useful = config.max_num_seqs * -(-max_model_len // config.block_size)
         num_kv_blocks = min((config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY) // block_bytes, useful)
     parts = estimate_bytes(spec, dtype, block_size=config.block_size, max_model_len=max_model_len,
                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           num_kv_blocks=num_kv_blocks)
+                           num_kv_blocks=num_kv_blocks, kv_dtype=kv_dtype)
     total = sum(parts.values())
     available, what = device_memory(device)
     if total <= available:

@@ -38,7 +38,7 @@ class PlannerView(Displayable):
             limits={"max_position_embeddings": engine.spec.max_position_embeddings, "on_gpu": self.on_gpu,
                     "max_users": max(4 * engine.config.max_num_seqs, 64)},
             settings={"prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "users": users,
-                      "shared_prefix_tokens": 0, "dtype": str(engine.dtype).removeprefix("torch."),
+                      "shared_prefix_tokens": 0, "dtype": str(engine.runner.kv_cache_dtype).removeprefix("torch."),
                       "max_model_len": engine.max_model_len, **memory})
         self.plan: MemoryPlan | None = None
         self.widget.observe(self._recompute, names="settings")

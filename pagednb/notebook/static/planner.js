@@ -52,7 +52,7 @@ function render({ model, el }) {
   );
   const dtypeRow = h("label", "pagednb-plan-row");
   const dtype = h("select");
-  for (const name of ["float32", "bfloat16", "float16"]) dtype.append(Object.assign(h("option", "", name), { value: name }));
+  for (const name of ["float32", "bfloat16", "float16", "float8_e4m3fn"]) dtype.append(Object.assign(h("option", "", name), { value: name }));
   dtype.value = start.dtype;
   dtype.addEventListener("change", () => set("dtype", dtype.value));
   dtypeRow.append(h("span", "pagednb-plan-label", "KV dtype"), dtype);
