@@ -40,11 +40,12 @@ class HybridKVCacheManager:
         self.block_size = block_size
         self.caching = pool.enable_caching
         self.groups = [KVCacheManager(pool, block_size, window, i) for i, window in enumerate(windows)]
-        # one group per distinct window stands for all: groups of one window allocate and release in step
-        leads: dict[int | None, KVCacheManager] = {}
-        for group in self.groups:
-            leads.setdefault(group.sliding_window, group)
-        self._room_checks = list(leads.values())
+        # Groups of one window receive the same calls, so they allocate, release and cache in step: the first
+        # of each answers for all of them (a decode step touches only the groups whose lead needs something).
+        by_window: dict[int | None, list[int]] = {}
+        for i, group in enumerate(self.groups):
+            by_window.setdefault(group.sliding_window, []).append(i)
+        self._lockstep = [(self.groups[members[0]], members) for members in by_window.values()]
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -62,22 +63,30 @@ class HybridKVCacheManager:
                        ) -> list[list[int]] | None:
         """Room for num_new_tokens more tokens in every group, or None if the pool is short. Returns the
         new block ids per group, or [] when no group needs any (nothing to release either)."""
-        if hit is None and all(group.has_room(req, num_new_tokens) for group in self._room_checks):
-            return []  # the common decode step
-        group_hits = hit.group_hits if hit is not None else [None] * len(self.groups)
-        needed = sum(group.blocks_needed(req, num_new_tokens, group_hit)
-                     for group, group_hit in zip(self.groups, group_hits))
+        if hit is None:
+            touched = [i for lead, members in self._lockstep if not lead.has_room(req, num_new_tokens)
+                       for i in members]
+            if not touched:
+                return []  # the common decode step
+            group_hits = [None] * len(self.groups)
+        else:
+            touched, group_hits = range(len(self.groups)), hit.group_hits
+        needed = sum(self.groups[i].blocks_needed(req, num_new_tokens, group_hits[i]) for i in touched)
         if needed > self.pool.num_free_blocks:
             return None
         if hit is not None and self.caching:  # an admission: count it for the hit rate
             self.prefix_cache_query_tokens += req.num_tokens
             self.prefix_cache_hit_tokens += hit.num_tokens
-        new_ids = [group.take(req, num_new_tokens, group_hit) for group, group_hit in zip(self.groups, group_hits)]
-        return new_ids if new_ids[0] else []
+        new_ids: list[list[int]] = [[] for _ in self.groups]
+        for i in touched:
+            new_ids[i] = self.groups[i].take(req, num_new_tokens, group_hits[i])
+        return new_ids if any(new_ids) else []
 
     def commit_computed(self, req: Request, num_computed: int) -> None:
-        for group in self.groups:
-            group.commit_computed(req, num_computed)
+        for lead, members in self._lockstep:
+            if lead.has_blocks_to_cache(req, num_computed):
+                for i in members:
+                    self.groups[i].commit_computed(req, num_computed)
 
     def free(self, req: Request) -> None:
         for group in reversed(self.groups):

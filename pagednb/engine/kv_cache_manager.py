@@ -171,11 +171,15 @@ class KVCacheManager:
         exception, a KeyboardInterrupt) must not leave blocks in the cache whose K/V was never
         written. (With asynchronous scheduling req.num_computed_tokens already counts the next step.)
         """
+        if self.has_blocks_to_cache(req, num_computed):
+            self._cache_full_blocks(req, state=self._reqs[req.request_id], num_tokens=num_computed)
+
+    def has_blocks_to_cache(self, req: Request, num_computed: int) -> bool:
+        """Whether commit_computed would register a block: a block filled since the last commit."""
         if not self.caching:
-            return
+            return False
         state = self._reqs.get(req.request_id)
-        if state is not None and num_computed >= (state.num_cached + 1) * self.block_size:
-            self._cache_full_blocks(req, state, num_computed)
+        return state is not None and num_computed >= (state.num_cached + 1) * self.block_size
 
     def free(self, req: Request) -> None:
         """Gives back the request's blocks, last block first (see BlockPool.free)."""
