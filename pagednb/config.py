@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagednb.attention.selector import BACKENDS as ATTENTION_BACKENDS
+from pagednb.engine.spec_decode.config import SpeculativeConfig
 from pagednb.validation import as_bool, as_choice, as_float, as_int, as_optional_str
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -68,6 +69,9 @@ class EngineConfig:
     load_format: str = "auto"  # "auto"/"safetensors": the checkpoint; "dummy": random weights, no checkpoint read
     tensor_parallel_size: int = 1  # GPUs (CPU: processes) the model is split over (pagednb/distributed/)
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3, scaled per layer
+    # vLLM's {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}:
+    # n-gram draft tokens verified in one forward (engine/spec_decode/); None: off
+    speculative_config: dict | None = None
 
     def validate(self) -> None:
         """Checks every field's type and range (TypeError / ValueError naming the field and what it
@@ -99,6 +103,11 @@ class EngineConfig:
             as_bool(name, getattr(self, name))
         if self.async_scheduling is not None:
             as_bool("async_scheduling", self.async_scheduling)
+        self.resolve_speculative_config()
+
+    def resolve_speculative_config(self) -> SpeculativeConfig | None:
+        """The checked speculative_config (ValueError/TypeError naming the key and what it accepts)."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     def resolve_device(self) -> torch.device:
         if str(self.device) == "auto":

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 # stats() keys that only ever grow: counters; every other key is a gauge (a value at this moment)
 COUNTER_KEYS = frozenset({"preemptions", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "steps",
-                          "generated_tokens", "computed_tokens"})
+                          "generated_tokens", "computed_tokens", "spec_decode_num_drafts",
+                          "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"})
 
 
 @dataclass(frozen=True)

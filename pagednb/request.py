@@ -77,6 +77,9 @@ class Request:
     # Tokens sampled on the device but not yet known here (0 or 1): with asynchronous scheduling the
     # next step is scheduled, and its input read from the device, before this step's tokens arrive.
     num_pending_tokens: int = 0
+    # draft tokens for the next step (speculative decoding, engine/spec_decode/): proposed before scheduling,
+    # used once by the scheduler; drafts that fail verification are simply not appended
+    spec_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -19,7 +19,6 @@ IGNORED_WHEN: dict[str, tuple] = {
     "calculate_kv_scales": (False,),
     "cpu_offload_gb": (0,),
     "swap_space": (4, 0),  # pagednb preempts by recomputing, never swaps: no CPU space to reserve
-    "speculative_config": (None,),
     "enable_lora": (False,),
     "max_loras": (1,),
     "max_lora_rank": (16,),

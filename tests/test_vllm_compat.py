@@ -59,7 +59,7 @@ def test_get_metrics_lists_counters_and_gauges_from_stats(llm):
 
 @pytest.mark.parametrize("name, value", [
     ("quantization", "awq"), ("swap_space", 8), ("cpu_offload_gb", 4), ("distributed_executor_backend", "ray"),
-    ("pipeline_parallel_size", 2), ("speculative_config", {"method": "ngram"}), ("calculate_kv_scales", True),
+    ("pipeline_parallel_size", 2), ("calculate_kv_scales", True),
     ("enable_lora", True), ("max_loras", 4), ("enable_chunked_prefill", False), ("data_parallel_size", 2),
     ("logprobs_mode", "processed_logprobs"), ("logprobs_mode", "raw_logits"), ("logprobs_mode", "processed_logits"),
 ])

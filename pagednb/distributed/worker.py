@@ -26,6 +26,7 @@ from pagednb.distributed.step_broadcast import Op, StepReceiver, host_lengths
 from pagednb.distributed.worker_pool import CONFIG_KEY, ERROR_KEY
 from pagednb.engine.kv_cache_sizing import plan_kv_pool
 from pagednb.engine.model_runner import ModelRunner
+from pagednb.engine.spec_decode.drafter import max_draft_rows
 from pagednb.model import load_hf_config, load_model, model_spec, resolve_model_path
 from pagednb.model.registry import uses_attention_softcap
 
@@ -69,7 +70,8 @@ class Worker:
                                            fp8_cache_in_float32=is_fp8(kv_cache_dtype) and dtype == torch.float32)
         model = load_model(path, hf_config, spec, dtype, device, backend, config.load_format, tp=tp)
         self.runner = ModelRunner(model, device, dtype, config.block_size, config.max_num_seqs, self.max_model_len,
-                                  [], None, self.max_num_batched_tokens, kv_cache_dtype)
+                                  [], None, self.max_num_batched_tokens, kv_cache_dtype,
+                                  max_draft_rows(config, config.resolve_speculative_config()))
         self.runner.tensor_parallel = tp
         self.receiver = StepReceiver(tp, self.runner.buffers)
 

@@ -53,9 +53,12 @@ class DecodeGraphs:
 
     def size_for(self, sched: SchedulerOutput) -> int | None:
         """The bucket for this step, or None when it must run eagerly (prefill tokens, too many rows)."""
-        n = len(sched.scheduled)
+        n = len(sched.scheduled) + sched.num_draft_tokens  # a drafted request's tokens are rows of their own
         if n > self.max_size:
             return None
+        if sched.num_draft_tokens:
+            ok = all(s.num_new_tokens == 1 + len(s.draft_token_ids) and s.samples for s in sched.scheduled)
+            return self._bucket[n] if ok else None
         for s in sched.scheduled:
             if s.num_new_tokens != 1 or not s.samples:
                 return None

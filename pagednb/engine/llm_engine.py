@@ -38,6 +38,8 @@ from pagednb.engine.output_processor import OutputProcessor
 from pagednb.engine.parallel_sampling import ParentRequest
 from pagednb.engine.scheduler import Scheduler
 from pagednb.engine.sleep import SLEEP_LEVELS, SleepingWeights, put_to_sleep, wake
+from pagednb.engine.spec_decode.drafter import MAX_DRAFT_BATCH, Drafter, max_draft_rows
+from pagednb.engine.spec_decode.verifier import DraftVerifier
 from pagednb.engine.step_report import StepRecorder
 from pagednb.model import load_hf_config, load_model, load_tokenizer, model_spec, resolve_model_path
 from pagednb.model.registry import uses_attention_softcap
@@ -73,6 +75,7 @@ class LLMEngine:
         self.attention_backend = select_attention_backend(
             self.device, config.attention_backend, uses_attention_softcap(self.spec, hf_config),
             fp8_cache_in_float32=is_fp8(kv_cache_dtype) and self.dtype == torch.float32)
+        self.spec_config = config.resolve_speculative_config()
         # tensor parallel: ranks 1.. in spawned processes, loading their shards while this one loads its own
         self.workers = (WorkerPool.start(replace(config, model=str(self.model_path)), devices,
                                          self.attention_backend.name) if len(devices) > 1 else None)
@@ -99,6 +102,7 @@ class LLMEngine:
         self._in_flight: collections.deque = collections.deque()  # launched steps not yet finished
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
+        self.drafter, self.verifier = self._start_spec_decode()
         self._abort_lock = threading.RLock()  # reentrant: a stream collected mid-swap aborts from its __del__
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -121,7 +125,8 @@ class LLMEngine:
         logger.info("Loaded %s (%s) on %s in %.1f s, attention backend %s", self.model_path.name,
                     self.spec.architecture, self.device, time.perf_counter() - t0, self.attention_backend.name)
         runner_args = (model, self.device, self.dtype, config.block_size, config.max_num_seqs, self.max_model_len,
-                       sorted(self.eos_token_ids), self.generator, self.max_num_batched_tokens, kv_cache_dtype)
+                       sorted(self.eos_token_ids), self.generator, self.max_num_batched_tokens, kv_cache_dtype,
+                       max_draft_rows(config, self.spec_config))
         self.runner = (ModelRunner(*runner_args) if self.workers is None
                        else TensorParallelRunner(self.workers, *runner_args))
         self.pool_plan = plan_kv_pool(config, self.runner, self.max_model_len, self.max_num_batched_tokens,
@@ -148,6 +153,20 @@ class LLMEngine:
                            "or max_cuda_graph_batch_size to leave room for them; steps run eagerly meanwhile")
             return False
         return True
+
+    def _start_spec_decode(self) -> tuple[Drafter | None, DraftVerifier | None]:
+        """Speculative decoding's two halves, or (None, None) when it is off. Drafts are proposed from the
+        tokens known on the host, so while drafting a step must have its tokens before the next is scheduled:
+        steps are synchronous then (needs_sync), as early vLLM ran speculative decoding. Under load no drafts
+        are proposed and asynchronous scheduling runs as without speculative decoding."""
+        spec = self.spec_config
+        if spec is None:
+            return None, None
+        logger.info("Speculative decoding: %s, up to %d draft tokens per step (n-grams of %d-%d tokens); with at "
+                    "most %d requests running, steps are synchronous and drafted; above that, no drafts%s",
+                    spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                    MAX_DRAFT_BATCH, " and asynchronous scheduling as usual" if self.async_scheduling else "")
+        return Drafter(spec, self.max_model_len), DraftVerifier()
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -216,10 +235,14 @@ class LLMEngine:
             overlap = self.async_scheduling and not self.needs_sync
             if not overlap:
                 outputs += self._complete_in_flight()
+            if self.drafter is not None and not overlap:  # every token is known now
+                self.drafter.propose(self.scheduler.running)
             sched = self.scheduler.schedule()
             if recorder is not None:
                 recorder.scheduled(self, sched)
             self.runner.release_requests(sched.released_request_ids)
+            if self.drafter is not None:
+                self.drafter.forget(sched.released_request_ids)
             launched = False
             if sched.scheduled:
                 # grammar rows can only be masked once the older step's tokens reached their matchers
@@ -237,13 +260,18 @@ class LLMEngine:
     @property
     def needs_sync(self) -> bool:
         """Whether the next step runs synchronously: a running request's sampling reads its output so
-        far (penalties, min_tokens, bad_words), so it needs the last token first. Tells why steps don't
+        far (penalties, min_tokens, bad_words), so it needs the last token first, or speculative decoding
+        may draft (few requests run: drafts are proposed from every token so far). Tells why steps don't
         overlap. (Grammars don't: their sampling waits for the last token instead, see _sample_deferred.)"""
-        return any(req.needs_output_history for req in self.scheduler.running)
+        running = self.scheduler.running
+        return ((self.drafter is not None and len(running) <= MAX_DRAFT_BATCH)
+                or any(req.needs_output_history for req in running))
 
     def _launch(self, sched, defer_sampling: bool = False) -> tuple[bool, list[RequestOutput]]:
         """Queues the step; (True, []) or, when the launch raised, (False, the failed requests' outputs)."""
         try:
+            if sched.num_draft_tokens:
+                self.verifier.before_sampling(sched)
             launched = self.runner.launch(sched, defer_sampling)
         except Exception as error:  # the step's requests end with "error"; the engine stays usable
             return False, self._fail(sched, error)
@@ -283,10 +311,13 @@ class LLMEngine:
         return outputs
 
     def _process(self, sched, token_ids: list[int], sampler_output) -> list[RequestOutput]:
-        progressed = self.scheduler.update_from_output(sched, token_ids)
+        num_accepted = None
+        if sched.num_draft_tokens:  # one token per verify row: each request's accepted run (spec_decode/)
+            token_ids, num_accepted, sampler_output = self.verifier.accept(sched, token_ids, sampler_output)
+        progressed = self.scheduler.update_from_output(sched, token_ids, num_accepted)
         self._advance_grammars(progressed)
         self.num_steps += 1
-        self.num_generated_tokens += len(progressed)
+        self.num_generated_tokens += len(progressed) + (sum(num_accepted) if num_accepted else 0)
         self.num_computed_tokens += sched.num_scheduled_tokens
         self.output_processor.record_logprobs(progressed, sampler_output, sched)
         return self.output_processor.process(self._with_failed_siblings(progressed), self._finish_stopped)
@@ -422,7 +453,16 @@ class LLMEngine:
             "steps": self.num_steps,
             "generated_tokens": self.num_generated_tokens,
             "computed_tokens": self.num_computed_tokens,
+            **(self._spec_decode_stats() if self.verifier is not None else {}),
         }
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding's counters, named as vLLM's spec-decode metrics."""
+        verifier = self.verifier
+        return {"spec_decode_num_drafts": verifier.num_drafts,
+                "spec_decode_num_draft_tokens": verifier.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": verifier.num_accepted_tokens,
+                "spec_decode_mean_acceptance_length": verifier.mean_acceptance_length}
 
     def block_map(self) -> list[tuple[str, str | None]]:
         """Every block's state, in block-id order: ("used", request_id), ("cached", None) for a free

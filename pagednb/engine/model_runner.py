@@ -26,6 +26,7 @@ from pagednb.engine.logits_processors import LogitsProcessors
 from pagednb.engine.logprobs import PromptLogprobs, compute_prompt_logprobs
 from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
 from pagednb.engine.scheduler import SchedulerOutput
+from pagednb.engine.spec_decode.verify_rows import split_verify_rows
 from pagednb.engine.step_buffers import StepBuffers, StepViews
 from pagednb.request import Request
 
@@ -71,7 +72,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
                  max_num_seqs: int, max_model_len: int, eos_token_ids: list[int],
                  generator: torch.Generator | None = None, max_num_batched_tokens: int = 8192,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, max_num_draft_rows: int = 0) -> None:
         self.model = model
         self.spec = model.spec
         self.device = device
@@ -86,9 +87,11 @@ class ModelRunner:
         self.hybrid = self.layout.is_hybrid
         num_groups = len(self.layout.groups)
         self.block_table = BlockTable(max_num_seqs, self.max_blocks_per_seq, num_groups)
-        # a step never has more tokens than the budget, nor more sequences than max_num_seqs; a decode
-        # graph pads its batch up to a bucket size, which is never above max_num_seqs
-        self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
+        # a step never has more tokens than the budget, nor more sequences than max_num_seqs plus its
+        # drafts' verify rows (spec_decode/verify_rows.py); a decode graph pads its batch up to a bucket
+        # size, which is never above max_num_seqs
+        max_rows = max_num_seqs + max_num_draft_rows
+        self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_rows,
                                    self.max_blocks_per_seq, device, num_groups)
         self.stager = PinnedStager(device)
         self._aranges = np.arange(max_num_seqs + 1, dtype=np.int32)
@@ -102,7 +105,7 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # pinned landing places of the sampled tokens, one per step that may be in flight (+1 spare)
         on_gpu = device.type == "cuda"
-        self._host_tokens = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(3)]
+        self._host_tokens = [torch.empty(max_rows, dtype=torch.int64, pin_memory=on_gpu) for _ in range(3)]
         self._tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(3)]
         self._token_slot = 0
 
@@ -279,6 +282,8 @@ class ModelRunner:
                 token_ids.append(ids[start])
             else:
                 token_ids += ids[start:start + s.num_new_tokens]
+                if s.draft_token_ids:  # the last known token, then the drafts to verify
+                    token_ids += s.draft_token_ids
         return reqs, token_ids, starts, rows, pending_rows, pending_sources
 
     def _write_rows(self, v: StepViews, token_ids: list[int], positions: np.ndarray, token_rows: np.ndarray,
@@ -323,6 +328,12 @@ class ModelRunner:
         sampled_reqs = reqs if all(sample_mask) else list(compress(reqs, sample_mask))
         starts_np = np.array(starts, dtype=np.int64)
         lens_np = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        rows_np = np.array(rows, dtype=np.int64)
+        if sched.num_draft_tokens:  # a drafted request's tokens become one-token rows, each with logits
+            starts_np, lens_np, rows_np, sample_np, seq_reqs = split_verify_rows(
+                scheduled, reqs, starts_np, lens_np, rows_np, np.array(sample_mask))
+            sample_mask = sample_np.tolist()
+            sampled_reqs = list(compress(seq_reqs, sample_mask))
         qsl = np.zeros(len(lens_np) + 1, dtype=np.int64)
         np.cumsum(lens_np, out=qsl[1:])
         num_tokens = int(qsl[-1])
@@ -330,7 +341,6 @@ class ModelRunner:
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // self.block_size)
         v = self.buffers.views(num_tokens, len(lens_np), width, len(sampled_reqs))
-        rows_np = np.array(rows, dtype=np.int64)
         positions = np.repeat(starts_np - qsl[:-1], lens_np) + np.arange(num_tokens)
         self._write_rows(v, token_ids, positions, np.repeat(rows_np, lens_np), rows_np, seq_lens, width)
         v.host_logits_indices[:] = qsl[1:][np.array(sample_mask, dtype=bool)] - 1
@@ -346,10 +356,14 @@ class ModelRunner:
 
     def _fill_decode(self, sched: SchedulerOutput, batch_size: int) -> list[Request]:
         """A decode-only step (one token per row, every row sampling) written into the fixed inputs of
-        the graph for batch_size, the rest padded; returns its requests, all of which sample."""
+        the graph for batch_size, the rest padded; returns each row's request (a drafted request has
+        1 + k rows), all of which sample."""
         reqs, token_ids, starts, rows, pending_rows, pending_sources = self._gather_rows(sched)
         v = self._decode_views(batch_size)
         rows_np, positions = np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64)
+        if sched.num_draft_tokens:  # a drafted request's tokens are rows of their own, each sampling
+            ones = np.ones(len(reqs), dtype=np.int64)
+            positions, _, rows_np, _, reqs = split_verify_rows(sched.scheduled, reqs, positions, ones, rows_np, ones)
         self._write_rows(v, token_ids, positions, rows_np, rows_np, positions + 1, self.max_blocks_per_seq)
         self._pad_decode_rows(v, len(reqs))
         self._upload(v, pending_rows, pending_sources)

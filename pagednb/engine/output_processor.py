@@ -139,8 +139,11 @@ class OutputProcessor:
                     held and not detokenizer.finds_stop_strings and self._is_held(req))):
                 continue  # decoded later, with the tokens since (a stop string must be found at once)
             new_tokens = req.output_token_ids[tracked.num_detokenized:]
+            if len(new_tokens) > 1 and detokenizer.finds_stop_strings:  # accepted drafts: several at once
+                stop = _update_until_stop(req, detokenizer, new_tokens)
+            else:
+                stop = detokenizer.update(new_tokens, finished=req.is_finished)
             tracked.num_detokenized = req.num_output_tokens
-            stop = detokenizer.update(new_tokens, finished=req.is_finished)
             if stop is not None and req.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH_CAPPED):
                 stopped.append((req, stop))
         return stopped
@@ -222,6 +225,23 @@ class OutputProcessor:
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tracked or (bool(self.parents) and self.parents.holds(request_id))
+
+
+def _update_until_stop(req: Request, detokenizer: IncrementalDetokenizer, new_tokens: list[int]) -> str | None:
+    """Feeds a run of new tokens one at a time, as they would have come without speculative decoding: a
+    stop string completed before the run's end stops the request at that token, and the tokens after it
+    are dropped (vLLM truncates there too)."""
+    last = len(new_tokens) - 1
+    for i, token in enumerate(new_tokens):
+        stop = detokenizer.update([token], finished=req.is_finished and i == last)
+        if stop is not None:
+            if i < last:
+                del req.output_token_ids[i - last:]
+                del req.all_token_ids[i - last:]
+                if req.status == RequestStatus.FINISHED_STOPPED:  # by a token the stop string came before
+                    req.stop_reason = stop
+            return stop
+    return None
 
 
 def _no_text(token_id: int) -> None:

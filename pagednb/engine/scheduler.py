@@ -30,6 +30,9 @@ class ScheduledRequest:
     new_block_ids: list[int] | list[list[int]]  # a hybrid model's: one list per layer group, [] if none
     is_new: bool  # first step since (re)admission: the runner starts its block table afresh
     samples: bool  # this step reaches the end of the known tokens: its last logits give a new token
+    # speculative decoding: the drafts fed after the last known token (num_new_tokens = 1 + their count);
+    # each gets a row of logits (engine/spec_decode/)
+    draft_token_ids: list[int] = ()
 
 
 @dataclass
@@ -43,6 +46,7 @@ class SchedulerOutput:
     # Some unfinished request asked for prompt logprobs: the runner looks for prompt rows to score
     # (engine/logprobs.py); False on every plain step, which never looks.
     wants_prompt_logprobs: bool = False
+    num_draft_tokens: int = 0  # drafts scheduled for verification (0: a step as without spec decode)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -124,6 +128,9 @@ class Scheduler:
         if pending and (len(req.output_token_ids) + pending >= req.max_tokens or num_tokens >= self.max_model_len):
             return 0
         num_new = num_tokens - req.num_computed_tokens
+        if num_new == 1 and req.spec_token_ids and not pending:  # drafts: proposed from every known token
+            if used := self._schedule_with_drafts(req, budget, out):
+                return used
         if num_new > budget:
             num_new = budget
         while (new_block_ids := self.kv.allocate_slots(req, num_new)) is None:
@@ -139,6 +146,26 @@ class Scheduler:
             is_new, new_block_ids = True, self.kv.block_ids(req.request_id)
         out.scheduled.append(ScheduledRequest(req, start, num_new, new_block_ids, is_new, start + num_new == num_tokens))
         return num_new
+
+    def _schedule_with_drafts(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedules a decoding request's last token and its drafts (speculative decoding), as many as the
+        budget, max_tokens and max_model_len leave room for (all accepted, the request gets one token more
+        than it verifies). Returns the tokens used; 0 when none fit or the pool is short: then it decodes
+        as usual (nobody is preempted for drafts). The drafts are used once either way."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        room = min(budget, req.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - len(req.all_token_ids)) - 1
+        if room <= 0 or (new_block_ids := self.kv.allocate_slots(req, 1 + min(room, len(drafts)))) is None:
+            return 0
+        drafts = drafts[:room]
+        is_new = False
+        if self._resync and req.request_id in self._resync:  # as in _schedule_running
+            self._resync.discard(req.request_id)
+            is_new, new_block_ids = True, self.kv.block_ids(req.request_id)
+        out.num_draft_tokens += len(drafts)
+        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1 + len(drafts), new_block_ids,
+                                              is_new, True, drafts))
+        return 1 + len(drafts)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -184,11 +211,15 @@ class Scheduler:
             self._resync.add(s.request.request_id)
 
     # ---- after the model ran ---------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int],
+                           num_accepted: list[int] | None = None) -> list[Request]:
         """Appends each sampling request's new token and applies token-level stops.
 
         sampled_token_ids holds one token per scheduled request that samples, in schedule order; a
         negative one (the sampler's INVALID_TOKEN_ID) ends that request alone with a SamplingError.
+        num_accepted (a step with drafts, engine/spec_decode/verifier.py), in the same order: how many of
+        its drafts each request accepted; it gets those, then its token, up to the first stop among them;
+        its rejected drafts' K/V no longer count as computed (later tokens overwrite them).
         Returns the requests that got a token or failed so (finished ones included). With asynchronous
         scheduling the next step is already scheduled: a request may have been preempted since (its token
         still counts) or finished (aborted, or stopped by the token before: this token is dropped).
@@ -198,24 +229,32 @@ class Scheduler:
         tokens = iter(sampled_token_ids)
         commit = self.kv.commit_computed
         finished = RequestStatus.PREEMPTED
+        accepted_counts = iter(num_accepted) if num_accepted is not None else None
         for s in out.scheduled:
             req = s.request
             token = next(tokens) if s.samples else None
+            accepted = next(accepted_counts) if accepted_counts is not None and s.samples else 0
             if req.status > finished:
                 continue
             if token is not None and token < 0:
                 self._fail_sampling(req)
                 progressed.append(req)
                 continue
-            commit(req, s.start + s.num_new_tokens)
+            computed = s.start + s.num_new_tokens
+            if accepted_counts is not None and s.draft_token_ids:
+                computed -= len(s.draft_token_ids) - accepted  # the rejected drafts'
+                req.num_computed_tokens = computed
+            commit(req, computed)
             if token is None:
                 continue
             req.num_pending_tokens -= 1
-            req.output_token_ids.append(token)
-            req.all_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            status = self._check_stop(req)
+            status = self._append_accepted_drafts(req, s.draft_token_ids[:accepted]) if accepted else None
+            if status is None:
+                req.output_token_ids.append(token)
+                req.all_token_ids.append(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = self._check_stop(req)
             if status is not None:
                 if req.status == RequestStatus.RUNNING:
                     self.running.remove(req)
@@ -224,6 +263,17 @@ class Scheduler:
                 self._finish(req, status)
             progressed.append(req)
         return progressed
+
+    def _append_accepted_drafts(self, req: Request, drafts: list[int]) -> RequestStatus | None:
+        """Appends accepted drafts one by one; the status of the first token-level stop among them (EOS,
+        a stop token, max_tokens), whose later tokens are dropped as if never sampled."""
+        for token in drafts:
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            status = self._check_stop(req)
+            if status is not None:
+                return status
+        return None
 
     def _fail_sampling(self, req: Request) -> None:
         """Ends a request whose row the sampler flagged (no valid distribution): FINISHED_ERROR with

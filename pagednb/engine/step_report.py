@@ -39,6 +39,7 @@ class BatchRow:
     new_block_ids: tuple[int, ...]  # blocks appended to its table (hit blocks first)
     samples: bool  # reaches the end of its known tokens: the step samples its next token
     admitted: bool  # joined the running set in this step (new, or back after a preemption)
+    num_draft_tokens: int = 0  # a decode row's draft tokens verified with it (speculative decoding)
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class StepReport:
         lines = [self.summary()]
         for r in self.rows:
             hit = f", {r.cached_tokens} from the prefix cache" if r.cached_tokens else ""
+            drafts = f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
             lines.append(f"  {r.kind:7s} {r.request_id}: tokens {r.start}-{r.start + r.num_tokens} "
-                         f"({r.num_tokens}{hit}), new blocks {list(r.new_block_ids)}")
+                         f"({r.num_tokens}{hit}{drafts}), new blocks {list(r.new_block_ids)}")
         lines += [f"  preempted {p.request_id}: {p.reason}" for p in self.preemptions]
         lines += [f"  finished {rid} ({reason})" for rid, reason in self.finished]
         lines += [f"  block table {rid}: {list(ids)}" for rid, ids in self.block_tables.items()]
@@ -211,11 +213,12 @@ def _report(engine: LLMEngine, step: _Partial, outputs: list[RequestOutput], num
 def _row(s: ScheduledRequest, running_before: set[str]) -> BatchRow:
     req = s.request
     admitted = req.request_id not in running_before
-    decode = not admitted and s.num_new_tokens == 1 and s.start >= req.num_prompt_tokens and s.samples
+    num_drafts = len(s.draft_token_ids)
+    decode = not admitted and s.num_new_tokens == 1 + num_drafts and s.start >= req.num_prompt_tokens and s.samples
     # A request re-sent whole after an interrupted step (is_new while running) gets no new blocks.
     new_block_ids = tuple(s.new_block_ids) if admitted or not s.is_new else ()
     return BatchRow(req.request_id, "decode" if decode else "prefill", s.start, s.num_new_tokens,
-                    req.num_prompt_tokens, s.start if admitted else 0, new_block_ids, s.samples, admitted)
+                    req.num_prompt_tokens, s.start if admitted else 0, new_block_ids, s.samples, admitted, num_drafts)
 
 
 def _finish_reason(out: RequestOutput) -> str:
