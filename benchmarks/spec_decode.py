@@ -7,7 +7,7 @@ measured request continues that (its continuation repeats what came before, as a
 given text does, and random-weight models fall into loops). `--model` measures a real model instead
 (e.g. ../shared/llama2c/stories260K_hf with story prompts, whose stories repeat names and phrases).
 
-    python benchmarks/spec_decode.py --shape qwen3-0.6b [--k 4] [--skip-standard]
+    python benchmarks/spec_decode.py --shape qwen3-0.6b [--k 8] [--skip-standard]
     python benchmarks/spec_decode.py --shape tiny --prompts 2 --written 64 --max-tokens 64 --requests 8 --max-output 64
                                                                # a CPU smoke run of the script
 """
@@ -90,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--model", default=None, help="a model folder instead of a random-weight shape")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--prompts", type=int, default=4, help="batch-1 requests, one after another")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--written", type=int, default=256, help="tokens of its own text in each prompt")
@@ -118,6 +118,8 @@ def main() -> None:
     results["batch1_speedup"] = results["batch1_spec"]["tok_per_s"] / results["batch1_plain"]["tok_per_s"]
     # greedy: the same tokens (bf16 may flip a near-tie; the count says how often)
     results["batch1_identical_outputs"] = sum(a == b for a, b in zip(plain_tokens, spec_tokens))
+    results["batch1_first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                                          for a, b in zip(plain_tokens, spec_tokens)]
     plain = results["batch1_plain"]
     rows = [["batch 1, repetitive", "off", plain["tok_per_s"], plain["steps"], "", ""],
             ["batch 1, repetitive", f"ngram k={args.k}", results["batch1_spec"]["tok_per_s"],
@@ -131,9 +133,10 @@ def main() -> None:
                  [f"standard, {args.requests} requests", f"ngram k={args.k}", results["standard_spec"]["tok_per_s"],
                   results["standard_spec"]["steps"], "", f"{ratio:.3f}x (target >= 0.95x)"]]
     print(f"\n{name}: speculative decoding (n-gram, k={args.k}); batch-1 greedy outputs identical: "
-          f"{results['batch1_identical_outputs']}/{len(prompts)}")
+          f"{results['batch1_identical_outputs']}/{len(prompts)} (first differing token of each: "
+          f"{results['batch1_first_divergence']} of {args.max_tokens})")
     print_table(["workload", "spec decode", "output tok/s", "steps", "mean acceptance length", "vs off"], rows)
-    print(f"wrote {save(f'spec_decode_{name}', results)}")
+    print(f"wrote {save(f'spec_decode_{name}' + ('_batch1' if args.skip_standard else ''), results)}")
 
 
 if __name__ == "__main__":
