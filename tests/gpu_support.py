@@ -26,3 +26,20 @@ def built_kernels(get: Callable[[], K | None]) -> K:
         from pagednb.kernels import load_error
         pytest.fail(f"pagednb's CUDA kernels did not build: {load_error()}")
     return found
+
+
+R = TypeVar("R")
+
+
+def captured(call: Callable[[], R], warm_up: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, R]:
+    """A CUDA graph of call() and what the captured call returned, after one warm-up (warm_up, else call itself)
+    on a side stream, as torch asks before a capture (one-time kernel attributes, allocator pools)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (warm_up or call)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = call()
+    return graph, result

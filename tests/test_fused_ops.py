@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_support import built_kernels, gpu
+from gpu_support import built_kernels, captured, gpu
 
 from pagednb.model import fused_ops
 from pagednb.model.fused_ops import (qk_norm_rope_reference, rms_norm_reference,
@@ -450,14 +450,7 @@ def test_kernels_capture_in_a_cuda_graph_and_replay_on_new_inputs(kernels):
         assert act is not None
         return out, new_residual, t["qkv"], act
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        step({k: v.clone() for k, v in static.items()})
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step(static)
+    graph, outputs = captured(lambda: step(static), warm_up=lambda: step({k: v.clone() for k, v in static.items()}))
 
     for _ in range(2):
         new = fresh()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_support import built_kernels, gpu
+from gpu_support import built_kernels, captured, gpu
 
 from pagednb.model import fused_moe as moe_ops
 
@@ -123,14 +123,7 @@ def test_captured_in_a_cuda_graph_and_replayed_with_new_routing(kernel):
     w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
     hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = random_routing(T, E, top_k, gen)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe_ops.fused_moe(hidden, w13, w2, weights, ids)  # warm-up (one-time kernel attributes)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_ops.fused_moe(hidden, w13, w2, weights, ids)
+    graph, out = captured(lambda: moe_ops.fused_moe(hidden, w13, w2, weights, ids))
     for round_ in range(3):
         new_weights, new_ids = random_routing(T, E, top_k, gen, allowed=list(range(round_, E, 3)))
         weights.copy_(new_weights)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_support import built_kernels, gpu
+from gpu_support import built_kernels, captured, gpu
 
 from pagednb.engine import sampler as sampler_module
 from pagednb.engine import sampling_kernel
@@ -434,20 +434,13 @@ def test_kernel_captures_in_a_cuda_graph_and_replays_on_new_inputs(kernel):
         static_u.copy_(torch.rand(n, 1, generator=gen))
 
     fill()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        _draw(kernel, static_logits, static_t, static_u)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _draw(kernel, static_logits, static_t, static_u)
+    graph, drawn = captured(lambda: _draw(kernel, static_logits, static_t, static_u))
     for _ in range(3):
         fill()
         eager = _draw(kernel, static_logits, static_t, static_u)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, eager)
+        assert torch.equal(drawn, eager)
 
 
 @gpu
@@ -532,19 +525,12 @@ def test_greedy_replays_in_a_cuda_graph(kernel):
     gen = torch.Generator().manual_seed(5)
     static_logits = torch.empty(4, 151936, device="cuda", dtype=torch.bfloat16)
     static_logits.copy_(torch.randn(4, 151936, generator=gen))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _greedy(kernel, static_logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _greedy(kernel, static_logits)
+    graph, picked = captured(lambda: _greedy(kernel, static_logits))
     for _ in range(3):
         static_logits.copy_(torch.randn(4, 151936, generator=gen))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, _torch_greedy(static_logits))
+        assert torch.equal(picked, _torch_greedy(static_logits))
 
 
 @gpu

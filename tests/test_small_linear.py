@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_support import built_kernels, gpu
+from gpu_support import built_kernels, captured, gpu
 
 from pagednb.model import small_linear
 from pagednb.model.fused_ops import rms_norm, rms_norm_reference, silu_and_mul, silu_and_mul_reference
@@ -172,14 +172,7 @@ def test_inputs_the_kernel_does_not_serve_are_exactly_f_linear(kernel):
 def test_replays_in_a_cuda_graph_on_new_inputs(kernel):
     x, w, b = _inputs(1, 2048, 1024, torch.bfloat16, seed=4, bias=True)
     static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        linear(static_x, w, b)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = linear(static_x, w, b)
+    graph, static_out = captured(lambda: linear(static_x, w, b))
     fresh, _, _ = _inputs(1, 2048, 1024, torch.bfloat16, seed=5)
     static_x.copy_(fresh)
     graph.replay()
@@ -221,14 +214,7 @@ def test_silu_output_with_a_normed_input_and_three_rows(kernel):
 @gpu
 def test_silu_output_replays_in_a_cuda_graph(kernel):
     static, w, _ = _inputs(1, 6144, 1024, torch.bfloat16, seed=11)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        linear_silu_and_mul(static, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear_silu_and_mul(static, w)
+    graph, out = captured(lambda: linear_silu_and_mul(static, w))
     fresh, _, _ = _inputs(1, 6144, 1024, torch.bfloat16, seed=13)
     static.copy_(fresh)
     graph.replay()
@@ -289,15 +275,7 @@ def test_linear_routes_a_normed_input_by_its_rows(kernel):
 def test_a_normed_input_replays_in_a_cuda_graph(kernel):
     static = _normed(1, 1024, torch.bfloat16, seed=60, residual=True, style="llama")
     _, w, _ = _inputs(1, 4096, 1024, torch.bfloat16, seed=61)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        kernel.gemv_rms_norm(static, w, None)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernel.gemv_rms_norm(static, w, None)
-        stream = static.stream
+    graph, (out, stream) = captured(lambda: (kernel.gemv_rms_norm(static, w, None), static.stream))
     fresh = _normed(1, 1024, torch.bfloat16, seed=62, residual=True, style="llama")
     static.hidden.copy_(fresh.hidden)
     static.residual.copy_(fresh.residual)
