@@ -5,7 +5,8 @@ tp=2 equal tp=1 token for token on the tiny model of every architecture (and on 
 replicated kv heads, a vocabulary the ranks do not divide, tied embeddings and dummy weights); chunked
 prefill, prefix caching, preemption, asynchronous scheduling and prompt logprobs keep working; close()
 leaves no process; a killed worker ends every request with a clear error within seconds, in a script and
-in a Jupyter kernel that survives it; a bad tensor_parallel_size is refused naming the field.
+in a Jupyter kernel that survives it; a bad tensor_parallel_size is refused naming the field; the fp8 KV cache
+and speculative decoding give tp=1's outputs at tp=2.
 
 The GPU tests need two CUDA GPUs (the lead's `nvidia-h200-x2` machine); they skip with the count otherwise.
 """
@@ -143,6 +144,24 @@ def test_chunked_prefill_prefix_caching_preemption_and_async_scheduling_at_tp2(e
     stats = two.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     two.engine.check_integrity()
+
+
+def test_the_fp8_cache_and_speculative_decoding_at_tp2_give_tp1s_outputs(tmp_path):
+    """The other engine options ride on the same step inputs: each rank keeps an fp8 pool of its kv heads, and
+    a drafted step's verify rows reach the workers as ordinary decode rows. (A small-init model falls into
+    loops, so its drafts are accepted: test_spec_decode's choice.)"""
+    path = make_tiny_model(tmp_path / "looping", "llama", initializer_range=0.02)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    runs = {}
+    for tp, spec in ((1, None), (1, ngram), (2, ngram)):
+        with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32", num_kv_blocks=64,
+                 max_model_len=MAX_MODEL_LEN, kv_cache_dtype="fp8", speculative_config=spec) as llm:
+            outs = llm.generate(EQUIVALENCE_PROMPTS, params, use_tqdm=False)
+            runs[tp, spec is not None] = [list(o.outputs[0].token_ids) for o in outs]
+            accepted = llm.stats().get("spec_decode_num_accepted_tokens", 0)
+    assert runs[2, True] == runs[1, True] == runs[1, False]
+    assert accepted > 0, "no draft was accepted at tp=2: the test would prove nothing"
 
 
 def test_logprobs_and_prompt_logprobs_at_tp2_match_tp1(engines):
