@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagednb.config import DEFAULT_CPU_KV_CACHE_MEMORY, _DTYPES
-from pagednb.engine.kv_cache_sizing import blocks_for_one_request
+from pagednb.engine.kv_cache_groups import blocks_for_one_request
 from pagednb.engine.live_engines import format_bytes
 from pagednb.validation import as_float, as_int
 

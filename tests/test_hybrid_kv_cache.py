@@ -3,6 +3,7 @@ layers mix a 16-token sliding window and full attention. Greedy outputs equal HF
 longer than the window, chunked prefill, prefix hits and preemption; the sliding groups free their blocks
 outside the window; the pool holds more max_model_len requests than the uniform layout at the same memory."""
 import pytest
+import torch
 from gpu_support import gpu
 from tiny import hf_greedy, make_tiny_model
 
@@ -147,6 +148,30 @@ def test_the_pool_holds_more_long_requests_than_the_uniform_layout(case, tiny_mo
             plans[name] = plan
     # a long request: 1 full group of max_len / BLOCK blocks plus 2 sliding groups of their window (+ chunk)
     assert plans["hybrid"].max_concurrency > 2 * plans["uniform"].max_concurrency
+
+
+def test_the_start_up_estimate_counts_a_block_as_one_groups_layers(case):
+    """A hybrid block id spans one layer group's layers, not all of them: the memory estimate made before
+    loading (model/spec.py) counts the pool the engine then allocates, so num_kv_blocks is not refused for
+    ~num_groups times the memory it takes."""
+    from pagednb.config import EngineConfig
+    from pagednb.model.spec import check_start_up_memory, device_memory, estimate_bytes
+
+    path, _ = case
+    with LLM(str(path), dtype="float32", block_size=BLOCK, num_kv_blocks=256, device="cpu") as llm:
+        engine, runner = llm.engine, llm.engine.runner
+        parts = estimate_bytes(engine.spec, torch.float32, block_size=BLOCK, max_model_len=engine.max_model_len,
+                               max_num_seqs=engine.config.max_num_seqs,
+                               max_num_batched_tokens=engine.max_num_batched_tokens, num_kv_blocks=256,
+                               kv_block_bytes=runner.block_bytes())
+        assert parts["KV cache"] == sum(t.nbytes for t in runner.kv_cache_tensors)
+        # the most blocks the host's memory holds by the estimate: accepted, where counting every layer per
+        # block (the old estimate) refused it
+        affordable = device_memory(torch.device("cpu"))[0] // runner.block_bytes() * 9 // 10
+        big = EngineConfig(str(path), dtype="float32", block_size=BLOCK, num_kv_blocks=affordable)
+        big.validate()
+        check_start_up_memory(engine.spec, big, torch.float32, torch.device("cpu"), engine.max_model_len,
+                              engine.max_num_batched_tokens)
 
 
 def test_a_layer_groups_cuda_plan_is_the_steps_with_its_own_block_table():

@@ -63,3 +63,21 @@ def plan_kv_cache_layout(sliding_windows: tuple[int | None, ...]) -> KVCacheLayo
                 layer_group[layer], layer_tensor[layer] = len(groups), j
             groups.append(KVCacheGroup(window, members))
     return KVCacheLayout(tuple(groups), size, tuple(layer_group), tuple(layer_tensor))
+
+
+def blocks_for_one_request_of(layout: KVCacheLayout, max_model_len: int, block_size: int,
+                              max_num_batched_tokens: int) -> int:
+    """Every layer group's blocks count. A hybrid model's sliding groups hold only their window, plus, with
+    asynchronous scheduling, the previous chunk until it is committed (KVCacheManager._release_out_of_window):
+    two chunks are counted."""
+    chunk = 2 * max_num_batched_tokens if layout.is_hybrid else max_num_batched_tokens
+    return sum(blocks_for_one_request(max_model_len, block_size, group.window, chunk) for group in layout.groups)
+
+
+def blocks_for_one_request(max_model_len: int, block_size: int, sliding_window: int | None,
+                           max_num_batched_tokens: int) -> int:
+    """Blocks one max_model_len request holds at its peak (a sliding window caps what it keeps)."""
+    tokens = max_model_len
+    if sliding_window is not None:
+        tokens = min(max_model_len, sliding_window + max_num_batched_tokens)
+    return -(-tokens // block_size) + (1 if sliding_window is not None else 0)

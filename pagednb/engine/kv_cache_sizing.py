@@ -17,7 +17,7 @@ import torch
 
 from pagednb.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pagednb.engine import live_engines
-from pagednb.engine.kv_cache_groups import KVCacheLayout
+from pagednb.engine.kv_cache_groups import blocks_for_one_request_of
 from pagednb.engine.live_engines import format_bytes
 from pagednb.engine.model_runner import ModelRunner
 
@@ -117,24 +117,6 @@ def describe_hybrid_saving(plan: PoolPlan, runner: ModelRunner) -> str:
     return (f"{len(layout.groups)} groups of {layout.layers_per_block} layers ({windows}) share the pool; "
             f"max concurrency {plan.max_concurrency:.2f}x at max_model_len={plan.max_model_len} "
             f"vs {uniform:.2f}x with every layer in each block")
-
-
-def blocks_for_one_request_of(layout: KVCacheLayout, max_model_len: int, block_size: int,
-                              max_num_batched_tokens: int) -> int:
-    """Every layer group's blocks count. A hybrid model's sliding groups hold only their window, plus, with
-    asynchronous scheduling, the previous chunk until it is committed (KVCacheManager._release_out_of_window):
-    two chunks are counted."""
-    chunk = 2 * max_num_batched_tokens if layout.is_hybrid else max_num_batched_tokens
-    return sum(blocks_for_one_request(max_model_len, block_size, group.window, chunk) for group in layout.groups)
-
-
-def blocks_for_one_request(max_model_len: int, block_size: int, sliding_window: int | None,
-                           max_num_batched_tokens: int) -> int:
-    """Blocks one max_model_len request holds at its peak (a sliding window caps what it keeps)."""
-    tokens = max_model_len
-    if sliding_window is not None:
-        tokens = min(max_model_len, sliding_window + max_num_batched_tokens)
-    return -(-tokens // block_size) + (1 if sliding_window is not None else 0)
 
 
 def _profile_gpu_memory(config: EngineConfig, runner: ModelRunner, max_model_len: int,

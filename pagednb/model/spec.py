@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagednb.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagednb.engine.kv_cache_groups import blocks_for_one_request_of, plan_kv_cache_layout
 from pagednb.validation import as_int
 
 # More parameters than any checkpoint pagednb could load (4.4e12: 8.8 TB in bfloat16); a config above this
@@ -131,7 +132,7 @@ def estimate_num_parameters(cfg) -> int:
 
 # ---- memory, before the weights are loaded -----------------------------------------------------------------
 def estimate_bytes(spec: ModelSpec, dtype: torch.dtype, *, block_size: int, max_model_len: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, num_kv_blocks: int | None, kv_dtype: torch.dtype) -> dict[str, int]:
+                   max_num_batched_tokens: int, num_kv_blocks: int | None, kv_block_bytes: int) -> dict[str, int]:
     """The large allocations of a start-up and of one full step, by part: an underestimate on purpose
     (activations beyond the logits and allocator slack are left out), so a refusal is never a false
     alarm. num_kv_blocks None: the KV pool is sized later from what is left."""
@@ -145,7 +146,7 @@ def estimate_bytes(spec: ModelSpec, dtype: torch.dtype, *, block_size: int, max_
         "step buffers": 2 * max(max_num_batched_tokens, max_num_seqs) * (3 * 8 + spec.hidden_size * element),
     }
     if num_kv_blocks is not None:
-        parts["KV cache"] = num_kv_blocks * block_size * spec.kv_bytes_per_token(kv_dtype)
+        parts["KV cache"] = num_kv_blocks * kv_block_bytes
     return parts
 
 
@@ -156,14 +157,17 @@ def check_start_up_memory(spec: ModelSpec, config: EngineConfig, dtype: torch.dt
     or minutes of swapping. On a CPU without num_kv_blocks the KV pool is its byte budget (capped at what
     max_num_seqs full-length requests use); on a GPU it is sized later from what is left."""
     num_kv_blocks = config.num_kv_blocks
-    kv_dtype = config.resolve_kv_cache_dtype(dtype)
+    # a block id spans every layer, or in a hybrid model one layer group's (engine/kv_cache_groups.py)
+    layout = plan_kv_cache_layout(spec.sliding_windows)
+    block_bytes = (spec.kv_bytes_per_token(config.resolve_kv_cache_dtype(dtype)) // spec.num_layers
+                   * layout.layers_per_block * config.block_size)
     if num_kv_blocks is None and device.type != "cuda":
-        block_bytes = spec.kv_bytes_per_token(kv_dtype) * config.block_size
-        useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+        useful = config.max_num_seqs * blocks_for_one_request_of(layout, max_model_len, config.block_size,
+                                                                 max_num_batched_tokens)
         num_kv_blocks = min((config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY) // block_bytes, useful)
     parts = estimate_bytes(spec, dtype, block_size=config.block_size, max_model_len=max_model_len,
                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           num_kv_blocks=num_kv_blocks, kv_dtype=kv_dtype)
+                           num_kv_blocks=num_kv_blocks, kv_block_bytes=block_bytes)
     total = sum(parts.values())
     available, what = device_memory(device)
     if total <= available:
