@@ -22,7 +22,8 @@ RUN_ALL_LIMIT_S = 60  # every notebook, on a 2-core CI machine
 # 09 comes with issue 17's serving work (another branch); every other one must be here.
 TUTORIALS = ["01_quickstart.ipynb", "02_paged_kv_cache.ipynb", "03_continuous_batching.ipynb",
              "04_prefix_caching.ipynb", "05_memory_pressure.ipynb", "06_chat.ipynb", "07_cuda_kernels.ipynb",
-             "08_sampling_and_structured_output.ipynb", "09_serving.ipynb", "10_engine_debugger.ipynb"]
+             "08_sampling_and_structured_output.ipynb", "09_serving.ipynb", "10_engine_debugger.ipynb",
+             "11_going_faster.ipynb"]
 MODEL_LINE = "MODEL = None  # None = the embedded model; any HF id or local folder works"
 
 KERNEL_ENV = {
