@@ -257,10 +257,14 @@ def test_a_failed_request_leaves_no_block_of_any_group_to_hit():
 
     prompt = [3 + j % 40 for j in range(30)]
     sched = hybrid_scheduler()
-    sched.add_request(model_free_request(0, prompt, max_tokens=4))
+    sched.add_request(model_free_request(0, prompt, max_tokens=8))
     model_free_step(sched)  # the whole prompt
-    model_free_step(sched)  # a decode step: its sliding groups release the blocks before their window
-    assert [len(g._reqs["m0"].released) for g in sched.kv.groups] == [5, 0, 5]
+    for _ in range(3):  # decode until its next block: its sliding groups then release what left their window
+        model_free_step(sched)
+        if sched.kv.groups[0]._reqs["m0"].released:
+            break
+    released = [len(g._reqs["m0"].released) for g in sched.kv.groups]
+    assert released[1] == 0 and released[0] == released[2] >= 5, released
     model_free_step(sched, token=INVALID_TOKEN_ID)  # its logits went NaN: it ends with an error
     assert not sched.has_unfinished_requests()
     again = model_free_request(1, prompt)
