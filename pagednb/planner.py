@@ -6,7 +6,9 @@ shares is stored once when prefix caching is on: its S // block_size full blocks
 rest is per user. Concurrency is further capped by max_num_seqs, and a user longer than max_model_len
 never fits. The what-ifs (`gpu_memory_utilization`, `kv_cache_memory`, `dtype`, `max_model_len`)
 resize the pool by the engine's own rule (engine/kv_cache_sizing.py): the memory budget divided by the
-bytes of one block, capped at max_num_seqs requests of max_model_len.
+bytes of one block, capped at max_num_seqs requests of max_model_len. In a model mixing sliding-window and
+full layers (engine/kv_cache_groups.py) a block holds one layer group, a user holds blocks in every group
+(a sliding group only its window's), and a shared prefix is stored once in the full-attention groups.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagednb.config import DEFAULT_CPU_KV_CACHE_MEMORY, _DTYPES
-from pagednb.engine.kv_cache_groups import blocks_for_one_request
+from pagednb.engine.kv_cache_groups import blocks_for_one_request_of
 from pagednb.engine.live_engines import format_bytes
 from pagednb.validation import as_float, as_int
 
@@ -91,18 +93,20 @@ def plan(llm, prompt_tokens: int, output_tokens: int, users: int = 1, *, shared_
         engine.spec.max_position_embeddings)
     kv_dtype = engine.runner.kv_cache_dtype if dtype is None else _dtype(dtype)
     bytes_per_token = engine.spec.kv_bytes_per_token(kv_dtype)
-    block_size = config.block_size
-    block_bytes = bytes_per_token * block_size
+    block_size, layout, chunk = config.block_size, engine.runner.layout, engine.max_num_batched_tokens
+    block_bytes = _block_bytes(engine, kv_dtype)
     budget = memory_budget(engine, gpu_memory_utilization, kv_cache_memory)
-    cap = config.max_num_seqs * blocks_for_one_request(max_model_len, block_size, engine.spec.sliding_window,
-                                                       engine.max_num_batched_tokens)
+    cap = config.max_num_seqs * blocks_for_one_request_of(layout, max_model_len, block_size, chunk)
     if config.num_kv_blocks is not None and gpu_memory_utilization is None and kv_cache_memory is None:
         cap = budget  # num_kv_blocks fixes the pool's bytes, uncapped (a block is never under one byte)
     num_blocks = min(budget // block_bytes, cap)
 
     caching = engine.kv_cache_manager.caching
-    per_user = -(-(prompt_tokens + output_tokens) // block_size)
-    shared = shared_prefix_tokens // block_size if caching else 0
+    # every layer group's blocks (a sliding group keeps only its window); the shared prefix stays in the
+    # full-attention groups, a sliding group's copy leaves its window as the user's own tokens come
+    per_user = blocks_for_one_request_of(layout, prompt_tokens + output_tokens, block_size, chunk)
+    full_groups = sum(group.window is None for group in layout.groups)
+    shared = shared_prefix_tokens // block_size * full_groups if caching else 0
     too_long = prompt_tokens + output_tokens > max_model_len
     unshared = 0 if too_long else min(num_blocks // per_user, config.max_num_seqs)
     by_pool = max(num_blocks - shared, 0) // (per_user - shared) if shared else num_blocks // per_user
@@ -115,8 +119,8 @@ def plan(llm, prompt_tokens: int, output_tokens: int, users: int = 1, *, shared_
         bytes_per_token, str(kv_dtype).removeprefix("torch."), max_model_len, config.max_num_seqs, caching,
         per_user, shared, unshared, fit, limit, bytes_needed,
         _utilization_needed(engine, bytes_needed) if on_gpu else None, None if on_gpu else bytes_needed,
-        {name: _users_in(budget, engine.spec.kv_bytes_per_token(_KV_DTYPES[name]) * block_size, per_user, shared, cap,
-                         config.max_num_seqs, too_long)
+        {name: _users_in(budget, _block_bytes(engine, _KV_DTYPES[name]), per_user, shared, cap, config.max_num_seqs,
+                         too_long)
          for name in ("float32", "bfloat16", "fp8")})
 
 
@@ -146,6 +150,12 @@ def memory_budget(engine, gpu_memory_utilization: float | None, kv_cache_memory:
     if kv_cache_memory is not None:
         return as_int("kv_cache_memory", kv_cache_memory, "bytes, an int >= 1", 1)
     return config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+def _block_bytes(engine, kv_dtype: torch.dtype) -> int:
+    """One block id's bytes in kv_dtype: block_size tokens of every layer, or of one layer group's (hybrid)."""
+    spec, layout = engine.spec, engine.runner.layout
+    return spec.kv_bytes_per_token(kv_dtype) // spec.num_layers * layout.layers_per_block * engine.config.block_size
 
 
 def _utilization_needed(engine, bytes_needed: int) -> float:

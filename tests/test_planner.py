@@ -95,3 +95,29 @@ def test_the_sliders_show_the_plain_functions_numbers(make_llm):
     assert view.widget.result["num_blocks"] == 128 == plan(llm, 30, 10, kv_cache_memory=2**19).num_blocks
     view.widget.settings = {**view.widget.settings, "users": 0}
     assert view.widget.result == {"error": "users must be an int >= 1, got 0"}
+
+
+def test_a_hybrid_model_counts_one_groups_layers_per_block_and_the_window(tmp_path):
+    """Gemma-3-like layers (4 sliding of window 16, 2 full: 3 groups of 2 layers, engine/kv_cache_groups.py): a
+    block is one group's 2 layers, a user holds blocks in every group but a sliding group only its window's
+    (plus the chunks in flight), and a shared prefix is stored once in the full group. The users it says fit run
+    with no preemption."""
+    from tiny import make_tiny_model
+
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                   "full_attention", "sliding_attention"]
+    path = make_tiny_model(tmp_path / "hybrid", "qwen2", num_hidden_layers=6, use_sliding_window=True,
+                           sliding_window=16, max_window_layers=0, layer_types=layer_types)
+    with LLM(str(path), dtype="float32", block_size=BS, num_kv_blocks=96, max_model_len=128,
+             max_num_batched_tokens=16, enable_prefix_caching=True) as llm:
+        runner = llm.engine.runner
+        p = plan(llm, prompt_tokens=60, output_tokens=20, shared_prefix_tokens=24)
+        assert p.pool_bytes == 96 * runner.block_bytes() == sum(t.nbytes for t in runner.kv_cache_tensors)
+        # the full group: ceil(80 / 8) = 10 blocks; each sliding group: min(80, 16 + 2 x 16) / 8 + 1 = 7
+        assert p.blocks_per_user == 10 + 2 * 7
+        assert p.shared_blocks == 24 // BS  # one full group
+        assert p.users_fit == min((96 - 3) // (24 - 3), llm.engine.config.max_num_seqs) == 4
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        prompts = [[10 + (i + j) % 300 for j in range(60)] for i in range(p.users_fit)]
+        llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats()["preemptions"] == 0
