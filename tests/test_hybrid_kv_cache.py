@@ -5,6 +5,7 @@ outside the window; the pool holds more max_model_len requests than the uniform 
 import pytest
 import torch
 from gpu_support import gpu
+from test_scheduler import run_step
 from tiny import hf_greedy, make_tiny_model
 
 from pagednb import LLM, SamplingParams
@@ -228,13 +229,6 @@ def model_free_request(i, prompt, max_tokens=6):
                    arrival_index=i)
 
 
-def model_free_step(sched, token=5):
-    out = sched.schedule()
-    sched.update_from_output(out, [token] * sum(s.samples for s in out.scheduled))
-    sched.kv.pool.check_integrity(sched.kv.reference_counts())
-    return out
-
-
 def test_a_tight_pool_preempts_counting_every_group_and_every_request_finishes():
     sched = hybrid_scheduler(num_blocks=30, budget=12)
     reqs = [model_free_request(i, [3 + (i * 5 + j) % 40 for j in range(10 + 6 * i)], max_tokens=8) for i in range(5)]
@@ -243,7 +237,7 @@ def test_a_tight_pool_preempts_counting_every_group_and_every_request_finishes()
     for _ in range(400):
         if not sched.has_unfinished_requests():
             break
-        model_free_step(sched)
+        run_step(sched)
         for req in sched.running:  # sliding groups (0 and 2) hold only the blocks of their window
             held = [len([b for b in g._reqs[req.request_id].blocks if b is not None]) for g in sched.kv.groups]
             assert held[0] == held[2] <= 8 // 4 + 1 + 12 // 4 and held[1] == -(-req.num_computed_tokens // 4)
@@ -258,19 +252,19 @@ def test_a_failed_request_leaves_no_block_of_any_group_to_hit():
     prompt = [3 + j % 40 for j in range(30)]
     sched = hybrid_scheduler()
     sched.add_request(model_free_request(0, prompt, max_tokens=8))
-    model_free_step(sched)  # the whole prompt
+    run_step(sched)  # the whole prompt
     for _ in range(3):  # decode until its next block: its sliding groups then release what left their window
-        model_free_step(sched)
+        run_step(sched)
         if sched.kv.groups[0]._reqs["m0"].released:
             break
     released = [len(g._reqs["m0"].released) for g in sched.kv.groups]
     assert released[1] == 0 and released[0] == released[2] >= 5, released
-    model_free_step(sched, token=INVALID_TOKEN_ID)  # its logits went NaN: it ends with an error
+    run_step(sched, token=INVALID_TOKEN_ID)  # its logits went NaN: it ends with an error
     assert not sched.has_unfinished_requests()
     again = model_free_request(1, prompt)
     assert [len(group.find_prefix_hit(again).blocks) for group in sched.kv.groups] == [0, 0, 0]  # each chain
     sched.add_request(model_free_request(2, prompt[:12] + [1] * 18))  # a healthy run of the same start
     while sched.has_unfinished_requests():
-        model_free_step(sched)
+        run_step(sched)
     hit = sched.kv.find_prefix_hit(model_free_request(3, prompt[:12] + [1] * 18))
     assert [len(h.blocks) for h in hit.group_hits] == [7, 7, 7] and hit.num_tokens == 28
