@@ -17,6 +17,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+try:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - the test extras install it
+    PlaywrightTimeoutError = sync_playwright = None
+
 CHROMIUM = "/usr/bin/chromium"
 # On a closed network Chromium's own background connections (updates, sync, safe browsing) are refused and
 # can stall it; as root it needs --no-sandbox.
@@ -24,6 +32,14 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]
 REPO = Path(__file__).resolve().parent.parent
+# every browser test module's pytestmark: slow, and skipped (saying why) without Playwright or the system browser
+BROWSER_TEST_MARKS = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed "
+                       "(pip install -e '.[test]'); the browser test needs it"),
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (apt-get install chromium; "
+                       ".ci/run does it); the browser test never downloads a browser"),
+]
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never through a proxy
 
 

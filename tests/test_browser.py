@@ -35,22 +35,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from browser_support import (CHROMIUM, CHROMIUM_ARGS, REPO, copy_notebooks, parse_used,  # noqa: E402
-                             running_lab, wait_until)
+from browser_support import (BROWSER_TEST_MARKS, CHROMIUM, CHROMIUM_ARGS, REPO,  # noqa: E402
+                             PlaywrightTimeoutError, copy_notebooks, parse_used, running_lab, sync_playwright,
+                             wait_until)
 
-try:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - the test extras install it
-    sync_playwright = None
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed "
-                       "(pip install -e '.[test]'); the browser test needs it"),
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (apt-get install chromium; "
-                       ".ci/run does it); the browser test never downloads a browser"),
-]
+pytestmark = BROWSER_TEST_MARKS
 
 NOTEBOOK = "06_chat.ipynb"
 ARTIFACTS = REPO / "test-artifacts" / "browser"

@@ -12,7 +12,6 @@ test-artifacts/browser/step_debugger/, with the server's log.
 Never `playwright install`: the browser is /usr/bin/chromium. Skipped only when it or playwright is missing.
 """
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -22,20 +21,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from browser_support import CHROMIUM, CHROMIUM_ARGS, REPO, running_lab, wait_until  # noqa: E402
+from browser_support import (BROWSER_TEST_MARKS, CHROMIUM, CHROMIUM_ARGS, REPO, running_lab,  # noqa: E402
+                             sync_playwright, wait_until)
 
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - the test extras install it
-    sync_playwright = None
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed "
-                       "(pip install -e '.[test]'); the browser test needs it"),
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (apt-get install chromium; "
-                       ".ci/run does it); the browser test never downloads a browser"),
-]
+pytestmark = BROWSER_TEST_MARKS
 
 ARTIFACTS = REPO / "test-artifacts" / "browser" / "step_debugger"
 PAGE_LOAD_S = 60
