@@ -4,9 +4,10 @@ Four runs of the same 64 requests (32-token random prompts, 128 output tokens, g
 - plain: no grammar (asynchronous scheduling, the default on a GPU);
 - plain, synchronous: no grammar, async scheduling off;
 - json schema: every request has a JSON schema (an object with one free string), asynchronous: step N+1's
-  forward is launched, then step N's tokens are fed to the matchers, N+1's bitmask is filled on the host
-  (xgrammar's batched, threaded fill) while that forward runs, and N+1's sampling is queued behind it
-  with the bitmask applied to the bf16 logits (engine/structured_output.py);
+  forward is launched, step N's tokens are fed to the matchers, N+1's bitmask is filled on the grammar worker
+  thread while the engine thread builds N's outputs, schedules N+2 and writes its inputs; N+1's sampling is
+  queued right before N+2's inputs go to the device, the bitmask copied on a side stream and applied to the
+  bf16 logits in place by one kernel (engine/grammar_bitmask.py, structured_output.py);
 - json schema, synchronous: the same with async scheduling off (what the pipelining buys).
 The figure is the generate call's wall time over its engine steps (one prefill step, the rest decode at
 64 rows: output tokens / 64 says whether rows ended early); the table shows the added fraction over each
@@ -78,9 +79,9 @@ def run(model_dir: Path, structured: bool, async_scheduling: bool | None, args) 
 
 def host_grammar_work(model_dir: Path, batch: int, repeats: int = 20) -> dict:
     """Milliseconds of host work per step for `batch` matchers inside the schema's string (the state the
-    timed runs sit in): filling their bitmask rows one matcher at a time (issue 16's first version) and
-    with GrammarCache.fill_bitmask (xgrammar's batched, threaded fill, used now); accepting a token one
-    call per matcher (used) and with xgrammar's batch_accept_token (not used: slower on the CPU here)."""
+    timed runs sit in): filling their bitmask rows one matcher at a time (issue 16's first version), with
+    GrammarCache.fill_bitmask (xgrammar's batched fill, used now) and with xgrammar's batched fill on one
+    thread; accepting a token one call per matcher (used) and with xgrammar's batch_accept_token."""
     import json
 
     import xgrammar as xgr
@@ -112,9 +113,12 @@ def host_grammar_work(model_dir: Path, batch: int, repeats: int = 20) -> dict:
     matchers = [state.matcher for state in states]
     one_by_one_accept = per_step_ms(lambda: [state.accept(letter) for state in states])
     batched_accept = per_step_ms(lambda: xgr.BatchGrammarMatcher.batch_accept_token(matchers, [letter] * batch))
+    one_thread = xgr.BatchGrammarMatcher(1)
     return {"fill_one_by_one_ms": per_step_ms(lambda: [s.matcher.fill_next_token_bitmask(bitmask, i)
                                                        for i, s in enumerate(states)]),
             "fill_batched_ms": per_step_ms(lambda: cache.fill_bitmask(bitmask, states, rows)),
+            "fill_batched_one_thread_ms": per_step_ms(
+                lambda: one_thread.batch_fill_next_token_bitmask(matchers, bitmask, rows)),
             "accept_one_by_one_ms": one_by_one_accept, "accept_batched_ms": batched_accept}
 
 

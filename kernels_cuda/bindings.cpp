@@ -242,6 +242,17 @@ int pagednb_sample_greedy(int logits_dtype, const void* logits, int64_t row_stri
   return pagednb::launch_sample_greedy(a, stream);
 }
 
+// ---- a structured-output grammar's bitmask applied to the logits in place (sampling.cu) ------------------------
+int pagednb_mask_logits(int logits_dtype, void* logits, int64_t row_stride, const void* bitmask, int64_t mask_stride,
+                        int rows, int vocab, void* stream) {
+  if (!supported_dtype(logits_dtype) || rows < 0 || vocab <= 0 || row_stride < 0 || rows > 65535 ||
+      mask_stride < (vocab + 31) / 32)
+    return -1;
+  if (rows > 0 && (logits == nullptr || bitmask == nullptr)) return -1;
+  pagednb::MaskArgs a{logits, logits_dtype, row_stride, bitmask, mask_stride, rows, vocab};
+  return pagednb::launch_mask_logits(a, stream);
+}
+
 // Whether the kernels are launched with programmatic dependent launch (common.cuh): sm_90+, PAGEDNB_PDL != 0.
 int pagednb_pdl_enabled() { return pagednb::pdl_enabled() ? 1 : 0; }
 

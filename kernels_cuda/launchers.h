@@ -167,6 +167,17 @@ struct GreedyArgs {          // element strides
 
 int launch_sample_greedy(const GreedyArgs& a, void* stream);
 
+struct MaskArgs {            // element strides
+  void* logits;              // [rows, vocab] of logits_dtype, changed in place: -inf where the bit is 0
+  int logits_dtype;          // kFloat32, kFloat16 or kBFloat16
+  int64_t row_stride;
+  const void* bitmask;       // [rows, >= ceil(vocab / 32)] int32, row stride mask_stride; bit t % 32 of word t / 32
+  int64_t mask_stride;
+  int rows, vocab;
+};
+
+int launch_mask_logits(const MaskArgs& a, void* stream);
+
 // ---- small-batch linear (gemv.cu) -----------------------------------------------------------------------
 constexpr int kGemvMaxRows = 2;
 // An RMSNorm input's rows stay in the CTA's shared memory: at most kGemvMaxRows x this many 16-bit elements.

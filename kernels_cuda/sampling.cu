@@ -385,6 +385,25 @@ int launch_greedy_dtype(const GreedyArgs& a, cudaStream_t st) {
                           a.out, a.vocab);
 }
 
+
+// ---- grammar bitmask: -inf where a structured-output grammar disallows a token --------------------------------
+// Token t is bit t % 32 of word t / 32 of its row's int32 bitmask (xgrammar's layout), 1 = allowed. In place, one
+// thread per token: a warp reads one word (a broadcast) and writes only the disallowed tokens, coalesced; a
+// word with every bit set, the common case inside free text, writes nothing. (In torch: unpack the bits, compare,
+// masked_fill into a copy: four launches and ~50 us a step at 64 rows of a 152k vocabulary on an H200.)
+constexpr int kMaskThreads = 256;
+
+template <typename L>
+__global__ void __launch_bounds__(kMaskThreads) mask_logits_kernel(L* __restrict__ logits, int64_t row_stride,
+                                                                   const uint32_t* __restrict__ bitmask,
+                                                                   int64_t mask_stride, int vocab) {
+  PAGEDNB_PDL_ENTER();
+  const int t = blockIdx.x * kMaskThreads + threadIdx.x;
+  if (t >= vocab) return;
+  const uint32_t word = __ldg(bitmask + (int64_t)blockIdx.y * mask_stride + (t >> 5));
+  if (!((word >> (t & 31)) & 1u)) logits[(int64_t)blockIdx.y * row_stride + t] = Elem<L>::from_float(-INFINITY);
+}
+
 }  // namespace
 
 int launch_sample_greedy(const GreedyArgs& a, void* stream) {
@@ -397,6 +416,17 @@ int launch_sample_temperature(const SampleArgs& a, void* stream) {
   if (a.rows <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   return with_dtype(a.logits_dtype, [&](auto t) { return launch_sample_dtype<decltype(t)>(a, st); });
+}
+
+int launch_mask_logits(const MaskArgs& a, void* stream) {
+  if (a.rows <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const dim3 grid((a.vocab + kMaskThreads - 1) / kMaskThreads, a.rows);
+  return with_dtype(a.logits_dtype, [&](auto t) {
+    using L = decltype(t);
+    return launch_pdl(mask_logits_kernel<L>, grid, dim3(kMaskThreads), 0, st, static_cast<L*>(a.logits),
+                      a.row_stride, static_cast<const uint32_t*>(a.bitmask), a.mask_stride, a.vocab);
+  });
 }
 
 }  // namespace pagednb

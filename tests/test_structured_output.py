@@ -420,3 +420,83 @@ def test_greedy_grammar_rows_sample_from_model_dtype_logits_like_float32():
     assert torch.equal(tokens, expected)
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     assert all(bits[i].flatten()[tokens[i]] == 1 for i in range(n))
+
+
+def test_asynchronous_grammar_rows_are_filled_on_the_worker_thread_ahead_of_their_sampling():
+    """With asynchronous scheduling every deferred step's bitmask is filled on the grammar worker thread,
+    started once the matchers have the previous step's tokens (engine/grammar_bitmask.py); a synchronous
+    engine fills on the engine thread. Outputs are equal either way (the test above)."""
+    import threading
+    prompts, params = _mixed_batch()
+    fill = GrammarCache.fill_bitmask
+    threads = {}
+    for async_scheduling in (False, True):
+        names = threads[async_scheduling] = []
+
+        def recording_fill(self, *args, _names=names):
+            _names.append(threading.current_thread().name)
+            return fill(self, *args)
+        GrammarCache.fill_bitmask = recording_fill
+        try:
+            with LLM(async_scheduling=async_scheduling) as llm:
+                _, deferred = _run_stepwise(llm, prompts, params)
+        finally:
+            GrammarCache.fill_bitmask = fill
+        if async_scheduling:
+            assert deferred > 10
+            worker = [n for n in names if n.startswith("pagednb-grammar")]
+            assert len(worker) >= deferred - 1  # (a step whose grammar rows all ended since has no fill)
+            assert len(names) - len(worker) <= 2  # the first grammar step, before any step was in flight
+    assert threads[False] and all(n == threading.main_thread().name for n in threads[False])
+
+
+def test_a_deferred_sampling_that_fails_ends_its_step_alone_and_the_engine_keeps_serving():
+    """The deferred sampling of a grammar step runs inside the next launch; if it raises, the requests of
+    the step it belongs to end with "error" (not the next step's), no block leaks, and later requests run."""
+    json_params = SamplingParams(temperature=0, max_tokens=30,
+                                 structured_outputs=StructuredOutputsParams(json=OBJECT_SCHEMA))
+    with LLM(async_scheduling=True) as llm:
+        engine = llm.llm_engine
+        sampler, calls = engine.runner.sampler, []
+
+        def failing_sampler(logits, md):
+            calls.append(md.grammar_bitmask is not None)
+            if len(calls) == 4:
+                raise RuntimeError("sampler broke")
+            return sampler.forward(logits, md)
+        engine.runner.sampler = failing_sampler
+        for i in range(3):
+            engine.add_request(f"r{i}", PROMPTS[i], json_params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert calls[3]  # the failing sampling was a grammar step's
+        assert {r: o.outputs[0].finish_reason for r, o in finals.items()} == {f"r{i}": "error" for i in range(3)}
+        assert all(len(o.outputs[0].token_ids) == 3 for o in finals.values())  # the three samplings before
+        engine.check_integrity()
+        assert llm.stats()["used_blocks"] == 0
+        engine.runner.sampler = sampler
+        out = llm.generate([PROMPTS[0]], _mixed_batch()[1][0], use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), OBJECT_SCHEMA)
+
+
+@pytest.mark.skipif(not CUDA, reason=GPU_REASON)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_mask_kernel_masks_in_place_exactly_what_torch_masks(dtype):
+    """The CUDA bitmask kernel (in place) equals the torch unpacking on strided rows of a vocabulary that is
+    not a multiple of 32, and a copy leaves its input untouched."""
+    from pagednb.engine.sampling_kernel import mask_logits_
+    vocab, n = 151_937, 37
+    gen = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (n, -(-vocab // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[5] = -1
+    bitmask[6] = 0
+    wide = torch.randn(n, vocab + 7, generator=gen).to(dtype)
+    expected = wide[:, :vocab].clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab)
+    logits = wide.cuda()[:, :vocab]
+    copy = mask_disallowed(logits, bitmask.cuda())
+    assert torch.equal(copy.cpu(), expected) and torch.equal(logits.cpu(), wide[:, :vocab])
+    assert mask_logits_(logits, bitmask.cuda())
+    assert torch.equal(logits.cpu(), expected) and torch.isinf(expected[6]).all() and torch.equal(expected[5], wide[5, :vocab])

@@ -251,7 +251,7 @@ class LLMEngine:
                 outputs += failed
             # keep the step just launched in flight (its tokens are read at the next call), nothing older
             outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
-            outputs += self._sample_deferred()
+            self.runner.start_grammar_bitmask()  # a deferred sampling's rows, filled while the host goes on
             outputs = self.output_processor.process(aborted) + outputs
             if recorder is not None:
                 recorder.end(self, outputs)
@@ -262,7 +262,7 @@ class LLMEngine:
         """Whether the next step runs synchronously: a running request's sampling reads its output so
         far (penalties, min_tokens, bad_words), so it needs the last token first, or speculative decoding
         may draft (few requests run: drafts are proposed from every token so far). Tells why steps don't
-        overlap. (Grammars don't: their sampling waits for the last token instead, see _sample_deferred.)"""
+        overlap. (Grammars don't: their sampling waits for the last token instead, see ModelRunner.launch.)"""
         running = self.scheduler.running
         return ((self.drafter is not None and len(running) <= MAX_DRAFT_BATCH)
                 or any(req.needs_output_history for req in running))
@@ -280,20 +280,6 @@ class LLMEngine:
             raise
         self._in_flight.append((sched, launched))
         return True, []
-
-    def _sample_deferred(self) -> list[RequestOutput]:
-        """Queues the sampling of the step just launched if it was deferred: structured output with
-        asynchronous scheduling (engine/structured_output.py). Its forward is still running on the
-        device while the host fills the grammar rows. Returns the failed requests' outputs if it raised."""
-        if not self._in_flight or self._in_flight[-1][1].pending is None:
-            return []
-        sched, launched = self._in_flight[-1]
-        try:
-            self.runner.sample(launched)
-        except Exception as error:
-            self._in_flight.pop()
-            return self._fail(sched, error)
-        return []
 
     def _complete_in_flight(self, keep: int = 0) -> list[RequestOutput]:
         """Finishes launched steps, oldest first, until `keep` remain in flight."""
@@ -480,6 +466,7 @@ class LLMEngine:
                 return
             self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
             self._in_flight.clear()
+            self.logits_processors.close()
             if self.workers is not None:  # first: a collective a dead worker never joined is aborted, not awaited
                 self.workers.close()
             if self.device.type == "cuda":

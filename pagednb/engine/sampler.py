@@ -146,12 +146,13 @@ class Sampler(torch.nn.Module):
     greedy argmax or temperature/top-k/top-p/min-p."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """`logits` is [n, V] in the model's dtype or float32; it is never modified. Greedy argmax and the
-        temperature kernel read it as it is (or its grammar-masked copy, in the same dtype); everything
-        else works on its (exact) float32 copy."""
+        """`logits` is [n, V] in the model's dtype or float32; only a grammar bitmask changes it (in place,
+        when no logprobs are asked for: nothing reads the raw logits then). Greedy argmax and the temperature
+        kernel read it as it is (or grammar-masked, in the same dtype); everything else works on its (exact)
+        float32 copy."""
         raw = logits
         if metadata.grammar_bitmask is not None:  # first, as vLLM; logprobs stay the raw ones
-            logits = mask_disallowed(logits, metadata.grammar_bitmask)
+            logits = mask_disallowed(logits, metadata.grammar_bitmask, in_place=metadata.max_num_logprobs is None)
         if metadata.is_plain_greedy:
             return SamplerOutput(_greedy(logits), None, None, None)
         if not metadata.is_plain_random:

@@ -21,6 +21,9 @@ torch takes three (max, isfinite, where) after the step's CUDA graph, about 20 u
 (benchmarks/NOTES.md, issue 14). It returns None where the kernel cannot serve, and the sampler runs that
 torch code.
 
+`mask_logits_` applies a structured-output grammar's token bitmask to the logits in place in one launch (-inf
+where a bit is 0), for the sampler's `mask_disallowed`.
+
 The kernel paths allocate with torch.empty only and launch on the current stream, so they can be
 captured in a CUDA graph.
 """
@@ -53,6 +56,16 @@ def greedy(logits: torch.Tensor) -> torch.Tensor | None:
         return None
     kernel = KERNEL.enabled()
     return None if kernel is None else kernel.greedy(logits)
+
+
+def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    """logits [n, V] float32, bf16 or fp16 (rows may be strided, the last dim dense) get -inf in place where
+    bitmask ([n, >= ceil(V / 32)] int32 on the same device, rows dense) has a 0 bit; False (nothing done) when
+    the kernel cannot serve these inputs."""
+    if not logits.is_cuda:
+        return False
+    kernel = KERNEL.enabled()
+    return kernel is not None and kernel.mask(logits, bitmask)
 
 
 def sample_with_temperature_reference(logits: torch.Tensor, temperature: torch.Tensor,
@@ -110,6 +123,23 @@ class SamplingKernel:
                                              current_stream(logits))
         check_status(self._lib, rc, "greedy sampling")
         return out
+
+
+    def mask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+        code = self._dtype_codes.get(logits.dtype)
+        if logits.dim() != 2 or bitmask.dim() != 2 or code is None or bitmask.dtype != torch.int32:
+            return False
+        n, vocab = logits.shape
+        if (bitmask.device != logits.device or bitmask.shape[0] != n or bitmask.stride(1) != 1
+                or bitmask.shape[1] < -(-vocab // 32) or (logits.stride(1) != 1 and vocab > 1) or logits.stride(0) < 0
+                or not 0 < vocab or n > 65535):
+            return False
+        if n == 0:
+            return True
+        rc = self._lib.pagednb_mask_logits(code, logits.data_ptr(), logits.stride(0), bitmask.data_ptr(),
+                                           bitmask.stride(0), n, vocab, current_stream(logits))
+        check_status(self._lib, rc, "grammar bitmask")
+        return True
 
 
 KERNEL = LazyKernel(SamplingKernel)  # made on first use; KERNEL.enabled() is None under PAGEDNB_FUSED_OPS=0

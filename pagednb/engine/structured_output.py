@@ -11,13 +11,15 @@ xgrammar (the grammar engine vLLM and SGLang use) does the grammar work; this mo
 
 The step, pipelined with asynchronous scheduling: a matcher needs step N's token before it can fill
 its row of step N+1's bitmask, but that bitmask is only needed by N+1's *sampler*, after its forward.
-So the engine launches N+1's forward first, then takes N's tokens, feeds them to the matchers, fills
-N+1's rows (xgrammar's batched C++ fill, `GrammarCache.fill_bitmask`) in pinned memory, and only then
-queues N+1's sampling behind the forward that is still running (LLMEngine._sample_deferred). The host's
-grammar work hides under the forward, and structured requests keep asynchronous scheduling on.
+So the engine launches N+1's forward first, then takes N's tokens and feeds them to the matchers; N+1's
+rows are filled on a worker thread (xgrammar's batched C++ fill, engine/grammar_bitmask.py) while the
+engine thread builds N's outputs, schedules N+2 and writes its inputs, and N+1's sampling is queued right
+before those inputs go to the device (ModelRunner._sample_deferred). The grammar work hides under the host's
+other work and the forward, and structured requests keep asynchronous scheduling on.
 
-On the device the bitmask becomes a masked copy of the logits in the model's dtype
-(`mask_disallowed`): no float32 copy just for the mask, and greedy rows take their argmax from it.
+On the device the bitmask is applied to the logits in the model's dtype by one kernel (`mask_disallowed`; in
+place unless the step's logprobs need the raw logits): no float32 copy just for the mask, and greedy rows take
+their argmax from it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import json
 
 import torch
 
+from pagednb.engine.sampling_kernel import mask_logits_
 from pagednb.sampling_params import StructuredOutputsParams
 
 # Free whitespace in JSON is allowed (vLLM's default) but each run is at most this many characters: an
@@ -77,8 +80,11 @@ class GrammarCache:
         self.capacity = capacity
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self.num_compiled = 0  # compilations done (cache misses); tests read it
-        # xgrammar's threaded fill ("auto": half the host's cores); one pool for the engine's lifetime
-        self._batch = xgr.BatchGrammarMatcher("auto")
+        # xgrammar's batched fill on one thread: at batch 64 on the H200's host 0.26 ms a step, vs 0.73 with its
+        # own thread pool ("auto") and 0.23 one matcher at a time plus Python's per-call cost
+        # (benchmarks/structured_output.py); it runs on the grammar worker thread (grammar_bitmask.py)
+        self._batch = xgr.BatchGrammarMatcher(1)
+        self.stop_token_ids = frozenset(eos_token_ids)  # a matcher terminates only by accepting one of these
 
     def new_state(self, params: StructuredOutputsParams) -> StructuredState:
         """A fresh matcher for `params`; a spec that does not compile raises ValueError naming its field."""
@@ -118,8 +124,8 @@ class GrammarCache:
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def fill_bitmask(self, bitmask: torch.Tensor, states: list[StructuredState], rows: list[int]) -> None:
-        """bitmask[rows[i]] = what states[i] allows next, every other row all-allowed; one batched,
-        threaded xgrammar call instead of one Python call per matcher."""
+        """bitmask[rows[i]] = what states[i] allows next, every other row all-allowed; one batched xgrammar
+        call (C++, the GIL released) instead of one Python call per matcher."""
         if len(rows) < bitmask.shape[0]:
             plain = torch.ones(bitmask.shape[0], dtype=torch.bool)
             plain[rows] = False
@@ -127,13 +133,17 @@ class GrammarCache:
         self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
 
 
-def mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits ([n, V], any float dtype, any device) with -inf where bitmask ([n, ceil(V / 32)]
-    int32 on the same device) has a 0 bit. Token t is bit t % 32 of word t // 32; read as bytes (little
-    endian, as every host and GPU pagednb runs on), it is bit t % 8 of byte t // 8."""
+def mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """logits ([n, V], any float dtype, any device) with -inf where bitmask ([n, ceil(V / 32)] int32 on the same
+    device) has a 0 bit: changed in place when in_place (nothing reads the raw logits afterwards), else a copy.
+    On a GPU one kernel (engine/sampling_kernel.mask_logits_), else torch: token t is bit t % 32 of word t // 32;
+    read as bytes (little endian, as every host and GPU pagednb runs on), it is bit t % 8 of byte t // 8."""
+    out = logits if in_place else logits.clone()
+    if mask_logits_(out, bitmask):
+        return out
     n, vocab = logits.shape
     blocked = (bitmask.view(torch.uint8).unsqueeze(-1) & _byte_bits(logits.device)) == 0  # [n, 4W, 8]
-    return logits.masked_fill(blocked.view(n, -1)[:, :vocab], float("-inf"))
+    return out.masked_fill_(blocked.view(n, -1)[:, :vocab], float("-inf"))
 
 
 @functools.cache

@@ -34,6 +34,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # temperature sampling (engine/sampling_kernel.py)
     "pagednb_sample_temperature": ([_I32, _VP, _I64, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _VP], _I32),
     "pagednb_sample_greedy": ([_I32, _VP, _I64, _VP, _I32, _I32, _VP], _I32),
+    "pagednb_mask_logits": ([_I32, _VP, _I64, _VP, _I64, _I32, _I32, _VP], _I32),
     # small-batch linear (model/small_linear.py)
     "pagednb_gemv": ([_I32, _VP, _I64, _VP, _I64, _VP, _VP, _I32, _I32, _I32, _I32, _VP], _I32),
     "pagednb_gemv_rms_norm": ([_I32, _VP, _I64, _VP, _I64, _VP, _I64, _VP, _VP, _F32, _F32, _I32, _VP, _VP,
