@@ -94,10 +94,11 @@ int resident_ctas(int dtype, int head_dim, int G, int variant, int cache_fp8) {
   return n;
 }
 
-// The GEMV's output checks: silu_and_mul 1 takes the weight's rows as [gate (N/2) | up (N/2)] and writes
-// out[M, N/2] = SiLU(gate) * up.
-bool gemv_out_ok(int N, int64_t out_stride, int silu_and_mul) {
-  return silu_and_mul ? N % 2 == 0 && out_stride >= N / 2 : out_stride >= N;
+// The GEMV's output checks: a gate (GemvGate) other than kGemvUngated takes the weight's rows as
+// [gate (N/2) | up (N/2)] and writes out[M, N/2] = act(gate) * up.
+bool gemv_out_ok(int N, int64_t out_stride, int gate) {
+  if (gate < pagednb::kGemvUngated || gate > pagednb::kGemvGeluTanh) return false;
+  return gate != pagednb::kGemvUngated ? N % 2 == 0 && out_stride >= N / 2 : out_stride >= N;
 }
 
 }  // namespace
@@ -222,6 +223,14 @@ int pagednb_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stri
   return pagednb::launch_silu_and_mul(dtype, out, gate_up, stride, rows, inter, stream);
 }
 
+int pagednb_gelu_tanh_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+                              void* stream) {
+  if (!supported_dtype(dtype) || inter <= 0 || rows < 0) return -1;
+  const int64_t es = elem_size(dtype);
+  if (!aligned16({out, gate_up}, {stride * es, inter * es})) return -1;
+  return pagednb::launch_gelu_tanh_and_mul(dtype, out, gate_up, stride, rows, inter, stream);
+}
+
 // ---- temperature sampling (sampling.cu): logits float32/fp16/bf16, the rest float32, element strides ----------
 int pagednb_sample_temperature(int logits_dtype, const void* logits, int64_t row_stride, const float* temperature,
                                int64_t t_stride, const float* uniforms, int64_t u_stride, int64_t* out, int rows,
@@ -256,33 +265,33 @@ int pagednb_mask_logits(int logits_dtype, void* logits, int64_t row_stride, cons
 // Whether the kernels are launched with programmatic dependent launch (common.cuh): sm_90+, PAGEDNB_PDL != 0.
 int pagednb_pdl_enabled() { return pagednb::pdl_enabled() ? 1 : 0; }
 
-// ---- small-batch linear (gemv.cu): bf16 / fp16, element strides; silu_and_mul: see gemv_out_ok -----------------
+// ---- small-batch linear (gemv.cu): bf16 / fp16, element strides; gate: see gemv_out_ok -------------------------
 int pagednb_gemv(int dtype, void* out, int64_t out_stride, const void* x, int64_t x_stride, const void* weight,
-                 const void* bias, int M, int N, int K, int silu_and_mul, void* stream) {
+                 const void* bias, int M, int N, int K, int gate, void* stream) {
   if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
   if (M < 0 || M > pagednb::kGemvMaxRows || N < 0 || K <= 0 || K % 8 != 0 || x_stride < K ||
-      !gemv_out_ok(N, out_stride, silu_and_mul))
+      !gemv_out_ok(N, out_stride, gate))
     return -1;
   if (!aligned16({x, weight}, {x_stride * 2})) return -1;
-  pagednb::GemvArgs a{out, x, weight, bias, x_stride, out_stride, M, N, K, pagednb::kGemvPlain, silu_and_mul ? 1 : 0};
+  pagednb::GemvArgs a{out, x, weight, bias, x_stride, out_stride, M, N, K, pagednb::kGemvPlain, gate};
   return pagednb::launch_gemv(dtype, a, stream);
 }
 
 // The product with RMSNorm(x + residual) as its input rows (residual nullptr: RMSNorm(x)), x + residual also
 // written to residual_out [M, K] (dense); the norm as pagednb_rms_norm takes it. K <= kGemvMaxNormWidth;
-// silu_and_mul as pagednb_gemv.
+// gate as pagednb_gemv.
 int pagednb_gemv_rms_norm(int dtype, void* out, int64_t out_stride, const void* x, int64_t x_stride,
                           const void* residual, int64_t residual_stride, void* residual_out, const void* norm_weight,
                           float eps, float weight_offset, int weight_in_float32, const void* weight, const void* bias,
-                          int M, int N, int K, int silu_and_mul, void* stream) {
+                          int M, int N, int K, int gate, void* stream) {
   if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
   if (M < 0 || M > pagednb::kGemvMaxRows || N < 0 || K <= 0 || K % 8 != 0 || K > pagednb::kGemvMaxNormWidth ||
-      x_stride < K || !gemv_out_ok(N, out_stride, silu_and_mul) || norm_weight == nullptr ||
+      x_stride < K || !gemv_out_ok(N, out_stride, gate) || norm_weight == nullptr ||
       (residual != nullptr && residual_out == nullptr))
     return -1;
   if (!aligned16({x, weight, residual, residual_out, norm_weight}, {x_stride * 2, residual_stride * 2})) return -1;
   pagednb::GemvArgs a{out,      x,           weight, bias, x_stride, out_stride, M, N, K, pagednb::kGemvRmsNorm,
-                      silu_and_mul ? 1 : 0, residual, residual_out, norm_weight, residual_stride, eps,
+                      gate, residual, residual_out, norm_weight, residual_stride, eps,
                       {weight_offset, weight_in_float32}};
   return pagednb::launch_gemv(dtype, a, stream);
 }

@@ -138,6 +138,19 @@ template <typename T> __device__ __forceinline__ float silu_and_mul(float gate, 
   const float silu = round_to<T>(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))));
   return round_to<T>(__fmul_rn(silu, up));
 }
+
+// GELU-tanh(gate) * up as torch's CUDA gelu(approximate="tanh") and mul round it (HF's gelu_pytorch_tanh, Gemma):
+// round(round(0.5 x (1 + tanh(b (x + k x^3)))) * up), b = sqrt(2 / pi), k = 0.044715, with torch's float32
+// evaluation order. nvcc builds torch's kernel with FMA contraction on, which fuses x + k * x^3 (its one
+// multiply-then-add) into an FMA: fmaf here; every other product and sum is rounded on its own.
+template <typename T> __device__ __forceinline__ float gelu_tanh_and_mul(float gate, float up) {
+  constexpr float kBeta = (float)(1.41421356237309504880 * 1.12837916709551257390 * 0.5);  // M_SQRT2 * M_2_SQRTPI / 2
+  constexpr float kKappa = 0.044715f;
+  const float cube = __fmul_rn(__fmul_rn(gate, gate), gate);
+  const float inner = __fmul_rn(kBeta, fmaf(kKappa, cube, gate));
+  const float gelu = round_to<T>(__fmul_rn(__fmul_rn(0.5f, gate), __fadd_rn(1.0f, tanhf(inner))));
+  return round_to<T>(__fmul_rn(gelu, up));
+}
 // ---- the fp8 KV cache: float8 e4m3, stored = fp8(x / scale), read = fp8 * scale ----------------------------
 // pagednb/attention/kv_quant.py is the reference: the same float32 division, rounding to nearest even and
 // saturation to +-448 (cvt.rn.satfinite.e4m3x2.f32), so a kernel's cache holds the reference's bytes.

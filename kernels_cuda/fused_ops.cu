@@ -1,6 +1,6 @@
 // Fused elementwise ops of the decoder layers, one launch each where torch runs a chain of small
 // kernels: RMSNorm with the residual add, Qwen3's per-head q/k RMSNorm with the rotary embedding (in
-// place on the fused qkv output), and SiLU(gate) * up.
+// place on the fused qkv output), and SiLU(gate) * up or GELU-tanh(gate) * up.
 //
 // Numerics: each op keeps the rounding points of the torch code it replaces (the references in
 // pagednb/model/fused_ops.py, HF transformers' numerics), so greedy outputs stay token-for-token
@@ -312,6 +312,37 @@ int launch_silu_and_mul_dtype(void* out, const void* gate_up, int64_t stride, in
                     static_cast<const T*>(gate_up), stride, inter, total);
 }
 
+// ---- GELU-tanh(gate) * up (Gemma 2/3) ---------------------------------------------------------------------
+// The SiLU kernel's layout, with common.cuh's gelu_tanh_and_mul (torch's CUDA gelu(approximate="tanh"), then mul).
+template <typename T>
+__global__ void __launch_bounds__(256) gelu_tanh_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
+                                                                int64_t stride, int inter, int64_t total_vecs) {
+  PAGEDNB_PDL_ENTER();
+  constexpr int VEC = Elem<T>::kVec;
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total_vecs) return;
+  const int nvec = inter / VEC;
+  const int64_t row = idx / nvec;
+  const int col = (int)(idx % nvec) * VEC;
+  const T* g = gate_up + row * stride + col;
+  float gv[VEC], uv[VEC];
+  ldg_vec(g, gv);
+  ldg_vec(g + inter, uv);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) gv[e] = gelu_tanh_and_mul<T>(gv[e], uv[e]);
+  store_vec(out + row * inter + col, gv);
+}
+
+template <typename T>
+int launch_gelu_tanh_and_mul_dtype(void* out, const void* gate_up, int64_t stride, int rows, int inter,
+                                   cudaStream_t st) {
+  const int64_t total = (int64_t)rows * (inter / Elem<T>::kVec);
+  const int64_t blocks = (total + 255) / 256;
+  if (blocks > 0x7fffffff) return -1;
+  return launch_pdl(gelu_tanh_and_mul_kernel<T>, dim3((unsigned)blocks), dim3(256), 0, st, static_cast<T*>(out),
+                    static_cast<const T*>(gate_up), stride, inter, total);
+}
+
 }  // namespace
 
 // ---- host launchers (checked by bindings.cpp) ----------------------------------------------------------
@@ -333,6 +364,15 @@ int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t strid
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   return with_dtype(dtype, [&](auto t) {
     return launch_silu_and_mul_dtype<decltype(t)>(out, gate_up, stride, rows, inter, st);
+  });
+}
+
+int launch_gelu_tanh_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+                             void* stream) {
+  if (rows <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return with_dtype(dtype, [&](auto t) {
+    return launch_gelu_tanh_and_mul_dtype<decltype(t)>(out, gate_up, stride, rows, inter, st);
   });
 }
 

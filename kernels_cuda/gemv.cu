@@ -15,9 +15,10 @@
 // Input (GemvInput): x itself, or RMSNorm(x + residual) (a block's first projection without the norm's
 // launch): every CTA adds and normalises the 1-2 input rows itself into shared memory (a 1024-wide row is
 // 2-4 KB from L2, less than the 4 warps' own x reads), and CTA 0 writes x + residual, the residual stream,
-// for the next block. Output (silu_and_mul): y itself, or for weight rows [gate | up] (a gated MLP's
-// gate/up projection) SiLU(gate) * up: each warp takes the row pair (p, p + N/2), so a gate and its up
-// meet in one warp and the activation is written without the SiLU kernel's launch (and without the
+// for the next block. Output (gate, GemvGate): y itself, or for weight rows [gate | up] (a gated MLP's
+// gate/up projection) SiLU(gate) * up or GELU-tanh(gate) * up: each warp takes the row pair (p, p + N/2), so
+// a gate and its up meet in one warp and the activation is written without the activation kernel's launch
+// (and without the
 // [M, N] round trip). Both round exactly as fused_ops.cu's kernels do (the norm's sum of squares in its
 // RMSNorm kernel's order; gate and up rounded to T first, as the unfused GEMV writes them), so fused or
 // not, a layer gives the same bits.
@@ -160,11 +161,12 @@ __device__ __forceinline__ void load_input(const GemvArgs& a, const T* xs, int m
 }
 
 // WK warps share each group of R rows (WK = 1: a warp's own rows; WK = 4: all 4 warps on one row group).
-// A group is rows unit * R .. + R - 1, or with GATED (R = 2) the pair (unit, unit + N/2).
-template <typename T, int MM, int R, int WK, bool NORM, bool GATED>
+// A group is rows unit * R .. + R - 1, or gated (R = 2) the pair (unit, unit + N/2).
+template <typename T, int MM, int R, int WK, bool NORM, int GATE>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a) {
   constexpr int V = MM * R, GROUPS = kGemvWarps / WK;
   static_assert(V <= 32 && (V & (V - 1)) == 0, "M x R must be a power of two <= 32");
+  constexpr bool GATED = GATE != kGemvUngated;
   static_assert(!GATED || R == 2, "a gated group is one (gate, up) pair");
   __shared__ float partial[WK > 1 ? kGemvWarps : 1][V];
   extern __shared__ __align__(16) unsigned char gemv_smem[];  // NORM: the input rows [M][K] of T
@@ -235,7 +237,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
     if (holder && r == 0 && m < a.M && unit < half) {
       const float g = bias != nullptr ? total + Elem<T>::to_float(bias[unit]) : total;
       const float u = bias != nullptr ? up + Elem<T>::to_float(bias[unit + half]) : up;
-      out[unit] = Elem<T>::from_float(silu_and_mul<T>(round_to<T>(g), round_to<T>(u)));
+      const float act = GATE == kGemvSilu ? silu_and_mul<T>(round_to<T>(g), round_to<T>(u))
+                                          : gelu_tanh_and_mul<T>(round_to<T>(g), round_to<T>(u));
+      out[unit] = Elem<T>::from_float(act);
     }
   } else {
     const int n = unit * R + r;
@@ -246,36 +250,45 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
   }
 }
 
-template <typename T, int MM, int R, int WK, bool NORM, bool GATED>
+template <typename T, int MM, int R, int WK, bool NORM, int GATE>
 int launch_gemv_shape(const GemvArgs& a, cudaStream_t st) {
   constexpr int groups = kGemvWarps / WK;
-  const int units = GATED ? a.N / 2 : (a.N + R - 1) / R;
+  const int units = GATE != kGemvUngated ? a.N / 2 : (a.N + R - 1) / R;
   const unsigned blocks = (unsigned)((units + groups - 1) / groups);
   const size_t smem = NORM ? (size_t)a.M * a.K * sizeof(T) : 0;
-  return launch_pdl(gemv_kernel<T, MM, R, WK, NORM, GATED>, dim3(blocks), dim3(kGemvWarps * 32), smem, st, a);
+  return launch_pdl(gemv_kernel<T, MM, R, WK, NORM, GATE>, dim3(blocks), dim3(kGemvWarps * 32), smem, st, a);
 }
 
-template <typename T, int MM, bool NORM, bool GATED>
+template <typename T, int MM, bool NORM, int GATE>
 int launch_gemv_rows(const GemvArgs& a, cudaStream_t st) {
   // the layout depends on N only (never on M), so a row's sums are the same for every batch size, and a
   // gated pair's are those of the same rows unfused (two rows per group or one: the same per-row order)
-  if (a.N >= 4096) return launch_gemv_shape<T, MM, 2, 1, NORM, GATED>(a, st);
-  return launch_gemv_shape<T, MM, GATED ? 2 : 1, 4, NORM, GATED>(a, st);
+  if (a.N >= 4096) return launch_gemv_shape<T, MM, 2, 1, NORM, GATE>(a, st);
+  return launch_gemv_shape<T, MM, GATE != kGemvUngated ? 2 : 1, 4, NORM, GATE>(a, st);
 }
 
-template <typename T, bool NORM, bool GATED>
+template <typename T, bool NORM, int GATE>
 int launch_gemv_rows_in(const GemvArgs& a, cudaStream_t st) {
   static_assert(kGemvMaxRows == 2, "one instantiation per row count");
-  return a.M <= 1 ? launch_gemv_rows<T, 1, NORM, GATED>(a, st) : launch_gemv_rows<T, 2, NORM, GATED>(a, st);
+  return a.M <= 1 ? launch_gemv_rows<T, 1, NORM, GATE>(a, st) : launch_gemv_rows<T, 2, NORM, GATE>(a, st);
 }
 
 template <typename T>
 int launch_gemv_dtype(const GemvArgs& a, cudaStream_t st) {
   static_assert(kGemvMaxNormWidth * kGemvMaxRows * 2 <= 48 * 1024, "normalised rows within the default smem");
   const bool norm = a.input == kGemvRmsNorm;
-  if (a.silu_and_mul)
-    return norm ? launch_gemv_rows_in<T, true, true>(a, st) : launch_gemv_rows_in<T, false, true>(a, st);
-  return norm ? launch_gemv_rows_in<T, true, false>(a, st) : launch_gemv_rows_in<T, false, false>(a, st);
+  switch (a.gate) {
+    case kGemvUngated:
+      return norm ? launch_gemv_rows_in<T, true, kGemvUngated>(a, st)
+                  : launch_gemv_rows_in<T, false, kGemvUngated>(a, st);
+    case kGemvSilu:
+      return norm ? launch_gemv_rows_in<T, true, kGemvSilu>(a, st)
+                  : launch_gemv_rows_in<T, false, kGemvSilu>(a, st);
+    case kGemvGeluTanh:
+      return norm ? launch_gemv_rows_in<T, true, kGemvGeluTanh>(a, st)
+                  : launch_gemv_rows_in<T, false, kGemvGeluTanh>(a, st);
+    default: return -1;
+  }
 }
 
 }  // namespace

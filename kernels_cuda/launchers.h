@@ -139,6 +139,8 @@ int launch_rms_norm(int dtype, const RmsNormArgs& a, void* stream);
 int launch_qk_norm_rope(int dtype, const QkRopeArgs& a, void* stream);
 int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
                         void* stream);
+int launch_gelu_tanh_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+                             void* stream);
 
 // ---- temperature and greedy sampling (sampling.cu) -------------------------------------------------------
 constexpr int kMaxSampleVocab = 1 << 20;
@@ -189,6 +191,13 @@ enum GemvInput : int {
   kGemvRmsNorm = 1,  // RMSNorm(x + residual) as fused_ops.cu's RMSNorm; x + residual also to residual_out
 };
 
+// Which activation of a gated MLP the GEMV applies to its own [gate | up] outputs.
+enum GemvGate : int {
+  kGemvUngated = 0,   // out = x . weight^T
+  kGemvSilu = 1,      // out[M, N/2] = SiLU(gate) * up
+  kGemvGeluTanh = 2,  // out[M, N/2] = GELU-tanh(gate) * up (Gemma)
+};
+
 struct GemvArgs {            // out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N]); element strides
   void* out;                 // row stride out_stride, last dim dense
   const void* x;             // row stride x_stride, last dim dense
@@ -197,7 +206,7 @@ struct GemvArgs {            // out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N])
   int64_t x_stride, out_stride;
   int M, N, K;               // M <= kGemvMaxRows; K a multiple of 8; x, weight 16-byte aligned
   int input;                 // GemvInput
-  int silu_and_mul;          // 1: weight rows are [gate (N/2) | up (N/2)] and out[M, N/2] = SiLU(gate) * up
+  int gate;                  // GemvGate; gated: weight rows are [gate (N/2) | up (N/2)], out is [M, N/2]
   // kGemvRmsNorm only (16-byte aligned rows, K <= kGemvMaxNormWidth):
   const void* residual;      // nullptr: no residual add
   void* residual_out;        // [M, K] dense: x + residual (with a residual)

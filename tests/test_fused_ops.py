@@ -4,7 +4,8 @@ Each op has a reference, the plain torch code with HF transformers' rounding poi
 run) it is checked against the formulas written out below, one rounding to the model dtype after
 every elementwise step. On a GPU (the H200 device; skipped elsewhere) the kernels reproduce it:
 
-  * bit for bit in bf16, fp16 and fp32 wherever no sum is involved (SiLU * mul, the rotary embedding)
+  * bit for bit in bf16, fp16 and fp32 wherever no sum is involved (SiLU * mul, GELU-tanh * mul, the
+    rotary embedding)
     and for the norms when every float32 sum of squares is exact: inputs k/8 with small integers k,
     so every partial sum is a multiple of 1/64 below 2^17 and the summation order cannot matter;
   * on random inputs a norm adds its float32 squares in another order than torch, so its mean of
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from gpu_support import built_kernels, captured, gpu
 
 from pagednb.model import fused_ops
-from pagednb.model.fused_ops import (qk_norm_rope_reference, rms_norm_reference,
+from pagednb.model.fused_ops import (gelu_tanh_and_mul_reference, qk_norm_rope_reference, rms_norm_reference,
                                      silu_and_mul_reference)
 from pagednb.model.layers import RMSNorm
 from pagednb.model.rotary import RotaryEmbedding
@@ -141,6 +142,24 @@ def test_silu_and_mul_reference(dtype):
     assert out.shape == (7, 48) and torch.equal(out.float(), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gelu_tanh_and_mul_reference_rounds_where_hf_rounds(dtype):
+    """HF's gelu_pytorch_tanh runs torch's gelu in the model dtype: computed in float32, rounded, then the
+    product with up rounded again (not one rounding of the float32 product)."""
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(7, 2 * 48, generator=gen) * 4).to(dtype)
+    gate, up = gate_up[:, :48].float(), gate_up[:, 48:].float()
+    expected = rnd(rnd(F.gelu(gate, approximate="tanh"), dtype) * up, dtype)
+    out = gelu_tanh_and_mul_reference(gate_up)
+    assert out.shape == (7, 48) and out.dtype == dtype
+    # torch's CPU gelu on a strided view (gate) and on a dense tensor differ in the saturated tail only
+    differ = out.float() != expected
+    assert (expected[differ].abs() < 1e-5).all() and differ.float().mean() < 0.05
+    tanh_formula = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3)))
+    torch.testing.assert_close(rnd(F.gelu(gate, approximate="tanh"), dtype), rnd(tanh_formula, dtype),
+                               rtol=torch.finfo(dtype).eps, atol=1e-6)  # the tanh form, not erf's
+
+
 def test_cpu_tensors_never_reach_the_kernel_library(monkeypatch):
     def unreachable():
         raise AssertionError("a CPU op looked up the CUDA kernels")
@@ -157,6 +176,7 @@ def test_cpu_tensors_never_reach_the_kernel_library(monkeypatch):
                          qk_norm_rope_reference(q, k, cos, sin, qw, kw, EPS)):
         assert torch.equal(got, want)
     assert torch.equal(fused_ops.silu_and_mul(x), silu_and_mul_reference(x))
+    assert torch.equal(fused_ops.gelu_tanh_and_mul(x), gelu_tanh_and_mul_reference(x))
 
 
 def test_pagednb_fused_ops_0_turns_the_kernels_off(monkeypatch):
@@ -396,12 +416,29 @@ def test_silu_and_mul_is_bit_exact(kernels, dtype, inter):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("inter", [64, 1024, 6912, 8960])  # 6912: Gemma-3-1B
+def test_gelu_tanh_and_mul_is_bit_exact(kernels, dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    for n in ROWS:
+        gate_up = (torch.randn(n, 2 * inter, generator=gen) * 4).to("cuda", dtype)
+        got = kernels.gelu_tanh_and_mul(gate_up)
+        assert got is not None and got.shape == (n, inter) and got.is_contiguous()
+        want = gelu_tanh_and_mul_reference(gate_up)
+        differ = got != want
+        assert not differ.any(), (f"n={n}: {differ.sum().item()} of {differ.numel()} differ, max "
+                                  f"{ulps(got, want).max().item()} ulp")
+
+
+@gpu
 def test_silu_and_mul_reads_rows_with_a_stride(kernels):
     gen = torch.Generator().manual_seed(6)
     buf = (torch.randn(7, 2 * 1024 + 64, generator=gen) * 4).to("cuda", torch.bfloat16)
     gate_up = buf[:, :2 * 1024]
     got = kernels.silu_and_mul(gate_up)
     assert got is not None and torch.equal(got, silu_and_mul_reference(gate_up))
+    got = kernels.gelu_tanh_and_mul(gate_up)
+    assert got is not None and torch.equal(got, gelu_tanh_and_mul_reference(gate_up))
 
 
 @gpu
@@ -411,8 +448,10 @@ def test_inputs_the_kernels_do_not_cover_take_the_reference(kernels):
     x = flat[1:].view(7, 64)  # 2 bytes past a 16-byte boundary
     w = torch.randn(64, generator=gen).to("cuda", torch.bfloat16)
     assert kernels.rms_norm(x, w, EPS) is None and kernels.silu_and_mul(x) is None
+    assert kernels.gelu_tanh_and_mul(x) is None
     assert torch.equal(fused_ops.rms_norm(x, w, EPS), rms_norm_reference(x, w, EPS))
     assert torch.equal(fused_ops.silu_and_mul(x), silu_and_mul_reference(x))
+    assert torch.equal(fused_ops.gelu_tanh_and_mul(x), gelu_tanh_and_mul_reference(x))
     # fp32 weights with bf16 activations (torch would promote): not the kernels' job
     assert kernels.rms_norm(flat[:7 * 64].view(7, 64), w.float(), EPS) is None
     # head_dim 48 is not a kernel instance
@@ -447,8 +486,9 @@ def test_kernels_capture_in_a_cuda_graph_and_replay_on_new_inputs(kernels):
         q, k = fused_qkv(n, heads, kv_heads, d, t["qkv"])
         assert kernels.qk_norm_rope(q, k, cos, sin, qw, kw, EPS) is not None
         act = kernels.silu_and_mul(t["gate_up"])
-        assert act is not None
-        return out, new_residual, t["qkv"], act
+        gelu = kernels.gelu_tanh_and_mul(t["gate_up"])
+        assert act is not None and gelu is not None
+        return out, new_residual, t["qkv"], act, gelu
 
     graph, outputs = captured(lambda: step(static), warm_up=lambda: step({k: v.clone() for k, v in static.items()}))
 

@@ -9,7 +9,7 @@ from test_scheduler import run_step
 from tiny import hf_greedy, make_tiny_model
 
 from pagednb import LLM, SamplingParams
-from pagednb.engine.kv_cache_groups import plan_kv_cache_layout
+from pagednb.engine.kv_cache_groups import KVCacheGroup, layers_per_block, plan_kv_cache_layout
 
 WINDOW = 16
 BLOCK = 8
@@ -64,6 +64,33 @@ def test_layout_groups_layers_by_attention_type():
     for windows in ((None,) * 3, (16,) * 3):  # uniform models keep one group, one tensor per layer
         uniform = plan_kv_cache_layout(windows)
         assert not uniform.is_hybrid and uniform.layers_per_block == 3 and uniform.layer_tensor == (0, 1, 2)
+
+
+def test_many_small_groups_merge_into_fewer_with_little_padding():
+    """Gemma-3-1B's pattern (every 6th of 26 layers full): 13 groups of 2 layers would cost the host 13 block
+    lists and tables per request; blocks of 4 layers make 6 sliding groups (the last one 2 layers, padded) and
+    1 full group, with no full-attention layer padded."""
+    layout = plan_kv_cache_layout(tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26)))
+    assert layout.layers_per_block == 4 and len(layout.groups) == 7
+    assert [len(g.layers) for g in layout.groups] == [4, 4, 4, 4, 4, 2, 4]
+    assert layout.groups[-1] == KVCacheGroup(None, (5, 11, 17, 23))
+    for layer in range(26):  # each layer in its group's tensor j, no two layers of a group sharing one
+        group = layout.groups[layout.layer_group[layer]]
+        assert group.layers[layout.layer_tensor[layer]] == layer
+    assert plan_kv_cache_layout((512, None) * 13).layers_per_block == 13  # Gemma 2: 2 groups, as before
+    # padding a type by more than an eighth of its layers is not worth it: 4 sliding + 2 full stays at 2
+    assert layers_per_block([4, 2]) == 2 and layers_per_block([9, 4]) == 2 and layers_per_block([52, 10]) == 11
+
+
+def test_a_padded_group_matches_hf(tmp_path):
+    """9 sliding and 4 full layers: blocks of 2 layers, the fifth sliding group 1 layer padded to 2."""
+    layer_types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(13)]
+    path = make_tiny_model(tmp_path / "padded", "qwen2", num_hidden_layers=len(layer_types), use_sliding_window=True,
+                           sliding_window=WINDOW, max_window_layers=0, layer_types=layer_types)
+    layout = plan_kv_cache_layout(tuple(WINDOW if t == "sliding_attention" else None for t in layer_types))
+    assert layout.layers_per_block == 2 and [len(g.layers) for g in layout.groups] == [2, 2, 2, 2, 1, 2, 2]
+    got, _, _, _, _ = run(path, PROMPTS[:2], num_kv_blocks=128, max_model_len=128, max_num_batched_tokens=16)
+    assert got == hf_greedy(path, PROMPTS[:2], MAX_NEW)
 
 
 def test_outputs_match_hf_with_prompts_longer_than_the_window(case):
@@ -244,6 +271,24 @@ def test_a_tight_pool_preempts_counting_every_group_and_every_request_finishes()
     assert not sched.has_unfinished_requests() and sched.num_preemptions > 0
     assert all(len(r.output_token_ids) == 8 for r in reqs)
     assert sched.kv.pool.num_free_blocks == 30
+
+
+def test_every_group_stays_in_lockstep_through_prefix_hits_and_preemptions():
+    """The manager asks group 0 alone whether a decode step needs a block or has one to cache: that holds only
+    while every group's block list has the same length and the same number of cached blocks."""
+    sched = hybrid_scheduler(num_blocks=40, budget=12, windows=(8, None, 8, None))
+    shared = [3 + j % 40 for j in range(14)]
+    reqs = [model_free_request(i, shared + [5 + i] * (3 + 4 * i), max_tokens=10) for i in range(6)]
+    for req in reqs:
+        sched.add_request(req)
+    while sched.has_unfinished_requests():
+        run_step(sched)
+        for req in sched.running:
+            states = [group._reqs[req.request_id] for group in sched.kv.groups]
+            assert len({len(state.blocks) for state in states}) == 1
+            assert len({state.num_cached for state in states}) == 1
+    assert sched.num_preemptions > 0 and sched.kv.prefix_cache_hit_tokens > 0
+    assert all(len(r.output_token_ids) == 10 for r in reqs)
 
 
 def test_a_failed_request_leaves_no_block_of_any_group_to_hit():

@@ -18,7 +18,7 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return hash((parent_hash, tuple(token_ids)))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: no per-block __dict__ (a pool has up to ~10^6 blocks)
 class KVBlock:
     """One block of `block_size` token slots in every layer's cache."""
 
@@ -85,9 +85,11 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
-        # hash -> {block_id: block}: several blocks may share a hash (collisions, or the same content
-        # computed twice before either was cached); content is verified on every hit.
-        self._cached: dict[BlockHash, dict[int, KVBlock]] = {}
+        # hash -> the block cached under it, or a list of them when several share the hash (collisions, or
+        # the same content computed twice before either was cached); content is verified on every hit. A
+        # lone block is stored as itself: a container per cached block would be an object that the garbage
+        # collector tracks for as long as the block stays cached (a hybrid model caches one per layer group).
+        self._cached: dict[BlockHash, KVBlock | list[KVBlock]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -100,11 +102,14 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(len(group) for group in self._cached.values())
+        return sum(1 if isinstance(entry, KVBlock) else len(entry) for entry in self._cached.values())
 
     def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
         """The cached block holding exactly `token_ids` after exactly the prefix ending in `parent`."""
-        for block in self._cached.get(block_hash, {}).values():
+        entry = self._cached.get(block_hash)
+        if entry is None:
+            return None
+        for block in (entry,) if isinstance(entry, KVBlock) else entry:
             if block.token_ids == token_ids and block.parent is parent and (
                     parent is None or block.parent_epoch == parent.epoch):
                 return block
@@ -149,7 +154,13 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         block.parent, block.parent_epoch = parent, (parent.epoch if parent is not None else -1)
-        self._cached.setdefault(block_hash, {})[block.block_id] = block
+        entry = self._cached.get(block_hash)
+        if entry is None:
+            self._cached[block_hash] = block
+        elif isinstance(entry, KVBlock):
+            self._cached[block_hash] = [entry, block]
+        else:
+            entry.append(block)
 
     def forget(self, blocks: Iterable[KVBlock]) -> None:
         """Drops blocks from the prefix-cache index at once, whoever holds them: their K/V cannot be trusted
@@ -161,10 +172,13 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        group = self._cached[block.block_hash]
-        del group[block.block_id]
-        if not group:
+        entry = self._cached[block.block_hash]
+        if entry is block:
             del self._cached[block.block_hash]
+        else:
+            entry.remove(block)
+            if len(entry) == 1:
+                self._cached[block.block_hash] = entry[0]
         block.block_hash = block.token_ids = block.parent = None
         block.epoch += 1
 
@@ -176,6 +190,7 @@ class BlockPool:
             refs = expected_refs.get(block.block_id, 0)
             assert block.ref_cnt == refs, f"{block}: ref_cnt {block.ref_cnt} != {refs} holders"
             assert (block.block_id in free_ids) == (refs == 0), f"{block}: free xor referenced broken"
-        for block_hash, group in self._cached.items():
-            for block in group.values():
+        for block_hash, entry in self._cached.items():
+            assert isinstance(entry, KVBlock) or len(entry) > 1, f"hash {block_hash}: a list of {len(entry)}"
+            for block in (entry,) if isinstance(entry, KVBlock) else entry:
                 assert block.block_hash == block_hash, f"{block} indexed under a stale hash"

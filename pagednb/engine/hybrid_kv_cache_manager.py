@@ -11,6 +11,10 @@ gives the scheduler the same interface a single manager does:
     start still cuts the hit there (its chain is how the content is verified), which costs hit length,
     never correctness;
   * block ids: per group, a list of lists ([] when no group got a block: the common decode step);
+  * lockstep: every group's block list has the same length (a sliding group keeps None where it released a
+    block) and the same number of cached blocks, since every group takes the same calls and a prefix hit
+    has one length in every group. So group 0 answers "room in the last block?" and "a block to cache?" for
+    all: a decode step costs one check per request, as a uniform model's does, not one per group;
   * a failed request (free_and_forget) drops its own blocks from every group's index, the ones its sliding
     groups released included.
 """
@@ -40,12 +44,6 @@ class HybridKVCacheManager:
         self.block_size = block_size
         self.caching = pool.enable_caching
         self.groups = [KVCacheManager(pool, block_size, window, i) for i, window in enumerate(windows)]
-        # Groups of one window receive the same calls, so they allocate, release and cache in step: the first
-        # of each answers for all of them (a decode step touches only the groups whose lead needs something).
-        by_window: dict[int | None, list[int]] = {}
-        for i, group in enumerate(self.groups):
-            by_window.setdefault(group.sliding_window, []).append(i)
-        self._lockstep = [(self.groups[members[0]], members) for members in by_window.values()]
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -64,29 +62,25 @@ class HybridKVCacheManager:
         """Room for num_new_tokens more tokens in every group, or None if the pool is short. Returns the
         new block ids per group, or [] when no group needs any (nothing to release either)."""
         if hit is None:
-            touched = [i for lead, members in self._lockstep if not lead.has_room(req, num_new_tokens)
-                       for i in members]
-            if not touched:
-                return []  # the common decode step
+            if self.groups[0].has_room(req, num_new_tokens):
+                return []  # the common decode step (in lockstep: every group has the room)
             group_hits = [None] * len(self.groups)
         else:
-            touched, group_hits = range(len(self.groups)), hit.group_hits
-        needed = sum(self.groups[i].blocks_needed(req, num_new_tokens, group_hits[i]) for i in touched)
+            group_hits = hit.group_hits
+        pairs = list(zip(self.groups, group_hits))
+        needed = sum(group.blocks_needed(req, num_new_tokens, group_hit) for group, group_hit in pairs)
         if needed > self.pool.num_free_blocks:
             return None
         if hit is not None and self.caching:  # an admission: count it for the hit rate
             self.prefix_cache_query_tokens += req.num_tokens
             self.prefix_cache_hit_tokens += hit.num_tokens
-        new_ids: list[list[int]] = [[] for _ in self.groups]
-        for i in touched:
-            new_ids[i] = self.groups[i].take(req, num_new_tokens, group_hits[i])
+        new_ids = [group.take(req, num_new_tokens, group_hit) for group, group_hit in pairs]
         return new_ids if any(new_ids) else []
 
     def commit_computed(self, req: Request, num_computed: int) -> None:
-        for lead, members in self._lockstep:
-            if lead.has_blocks_to_cache(req, num_computed):
-                for i in members:
-                    self.groups[i].commit_computed(req, num_computed)
+        if self.groups[0].has_blocks_to_cache(req, num_computed):  # (in lockstep: then every group has)
+            for group in self.groups:
+                group.commit_computed(req, num_computed)
 
     def free(self, req: Request) -> None:
         for group in reversed(self.groups):

@@ -4,10 +4,13 @@ A model whose layers all attend alike (every layer full, or every layer through 
 group: a block id names `block_size` token slots in every layer's cache, as it always has.
 
 A model that mixes sliding-window and full-attention layers (Gemma 2/3, Qwen2/3 with mixed layer_types)
-gets vLLM's hybrid layout, simplified: the layers are split into groups of exactly P layers each, every
-group holding layers of one attention type, where P is the greatest common divisor of the per-type layer
-counts (so no group is padded). The cache is P tensors of [2, num_blocks, block_size, Hkv, D]; the j-th
-layer of every group uses tensor j. So a block id is P layers' worth of memory, and it means different
+gets vLLM's hybrid layout, simplified: the layers are split into groups of P layers, every group holding
+layers of one attention type. The cache is P tensors of [2, num_blocks, block_size, Hkv, D]; the j-th
+layer of every group uses tensor j. P is the greatest common divisor of the per-type layer counts (no group
+padded) or, where that makes many small groups, a larger P whose padding stays small (layers_per_block): the
+host's work per step grows with the number of groups (each keeps its block lists and its block table), so
+Gemma-3-1B's 22 sliding + 4 full layers get 6 + 1 groups of 4 layers (one group of 2 sliding layers padded
+to 4) instead of 11 + 2 groups of 2. So a block id is P layers' worth of memory, and it means different
 layers depending on which group holds it: all groups draw from ONE pool of block ids. That is why the
 memory stays fungible — a batch of short requests uses the sliding groups' blocks as freely as the full
 groups' ones — while a sliding group only holds the blocks of its last window, so a long request costs
@@ -53,7 +56,7 @@ def plan_kv_cache_layout(sliding_windows: tuple[int | None, ...]) -> KVCacheLayo
     by_type: dict[int | None, list[int]] = {}
     for layer, window in enumerate(sliding_windows):
         by_type.setdefault(window, []).append(layer)
-    size = math.gcd(*(len(layers) for layers in by_type.values()))
+    size = layers_per_block([len(layers) for layers in by_type.values()])
     groups: list[KVCacheGroup] = []
     layer_group, layer_tensor = [0] * num_layers, [0] * num_layers
     for window, layers in by_type.items():
@@ -63,6 +66,20 @@ def plan_kv_cache_layout(sliding_windows: tuple[int | None, ...]) -> KVCacheLayo
                 layer_group[layer], layer_tensor[layer] = len(groups), j
             groups.append(KVCacheGroup(window, members))
     return KVCacheLayout(tuple(groups), size, tuple(layer_group), tuple(layer_tensor))
+
+
+MAX_PADDING = 1 / 8  # of a type's layers: the unused layer slots its padded group may cost
+
+
+def layers_per_block(counts: list[int]) -> int:
+    """P for attention types of counts[t] layers: the largest P up to the biggest count where every type's
+    last group pads at most MAX_PADDING of that type's layers (its blocks' unused slots are memory lost);
+    at least the greatest common divisor, which pads nothing."""
+    best = math.gcd(*counts)
+    for size in range(best + 1, max(counts) + 1):
+        if all(-n % size <= MAX_PADDING * n for n in counts):
+            best = size
+    return best
 
 
 def blocks_for_one_request_of(layout: KVCacheLayout, max_model_len: int, block_size: int,

@@ -18,9 +18,11 @@ class _RequestBlocks:
     num_cached: int = 0  # leading full blocks already registered in the prefix cache
     num_hit: int = 0  # leading blocks from the prefix hit at admission: computed by others
     num_released: int = 0  # leading blocks released by the sliding window (all None)
-    # with prefix caching: the released blocks this request computed, each with its epoch when released
-    # (a changed epoch: evicted since, someone else's now), for free_and_forget
-    released: list[tuple[KVBlock, int]] = field(default_factory=list)
+    # with prefix caching: the released blocks this request computed and their epochs when released (a
+    # changed epoch: evicted since, someone else's now), for free_and_forget; two lists, not a list of pairs,
+    # so a release leaves no new object for the garbage collector to track
+    released: list[KVBlock] = field(default_factory=list)
+    released_epochs: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -203,7 +205,8 @@ class KVCacheManager:
         state = self._reqs.get(req.request_id)
         if state is not None and self.caching:
             self.pool.forget(block for block in state.blocks[state.num_hit:] if block is not None)
-            self.pool.forget(block for block, epoch in state.released if block.epoch == epoch)
+            self.pool.forget(block for block, epoch in zip(state.released, state.released_epochs)
+                             if block.epoch == epoch)
         self.free(req)
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -254,7 +257,8 @@ class KVCacheManager:
                 self.pool.free([block])
                 state.blocks[i] = None
                 if block.block_hash is not None and i >= state.num_hit:  # cached: reuse bumps its epoch
-                    state.released.append((block, block.epoch))
+                    state.released.append(block)
+                    state.released_epochs.append(block.epoch)
         state.num_released = max(state.num_released, end)
 
     def _cache_full_blocks(self, req: Request, state: _RequestBlocks, num_tokens: int) -> None:

@@ -2,7 +2,7 @@
 
 In a decode step the launches, not the arithmetic, take the time of these ops: torch runs about 9
 small kernels for an RMSNorm with its residual add, about 20 for Qwen3's per-head q/k norm plus the
-rotary embedding, and 2 for SiLU(gate) * up. Each op here comes in two forms:
+rotary embedding, and 2 for SiLU(gate) * up or GELU-tanh(gate) * up (Gemma's MLP). Each op here comes in two forms:
 
   * a reference (`*_reference`): the plain torch code with HF transformers' rounding points. It runs
     on CPU, where pagednb's CUDA library is unavailable (load_kernels() warns why), for inputs the
@@ -84,6 +84,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(gate_up)
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up [..., 2 * I] = [gate | up] (Gemma 2/3); a new [..., I]
+    tensor."""
+    kernels = _kernels_for(gate_up)
+    if kernels is not None:
+        result = kernels.gelu_tanh_and_mul(gate_up)
+        if result is not None:
+            return result
+    return gelu_tanh_and_mul_reference(gate_up)
+
+
 # ---- references: the torch code the kernels reproduce ---------------------------------------------
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None, weight_offset: float | None = None
@@ -111,6 +122,13 @@ def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """HF's gelu_pytorch_tanh (torch's gelu, approximate="tanh", in the model dtype: float32 inside, rounded
+    once), then the product with up rounded again."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # ---- the kernels -------------------------------------------------------------------------------------
@@ -191,6 +209,13 @@ class FusedKernels:
         return q, k
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        return self._gated_activation(gate_up, "silu_and_mul")
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        return self._gated_activation(gate_up, "gelu_tanh_and_mul")
+
+    def _gated_activation(self, gate_up: torch.Tensor, op: str) -> torch.Tensor | None:
+        """act(gate) * up by the kernel pagednb_<op> (both take the same arguments)."""
         code = self._dtype_codes.get(gate_up.dtype)
         stride = _row_stride(gate_up)
         inter = gate_up.shape[-1] // 2
@@ -199,9 +224,9 @@ class FusedKernels:
         if (gate_up.data_ptr() | (stride | inter) * gate_up.element_size()) % 16:
             return None
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
-        rc = self._lib.pagednb_silu_and_mul(code, out.data_ptr(), gate_up.data_ptr(), stride,
-                                            out.numel() // inter, inter, current_stream(gate_up))
-        self._check(rc, "silu_and_mul")
+        rc = getattr(self._lib, f"pagednb_{op}")(code, out.data_ptr(), gate_up.data_ptr(), stride,
+                                                 out.numel() // inter, inter, current_stream(gate_up))
+        self._check(rc, op)
         return out
 
     def _check(self, rc: int, what: str) -> None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagednb.model.fused_ops import rms_norm
-from pagednb.model.small_linear import Linear, NormedInput, linear_silu_and_mul
+from pagednb.model.small_linear import Linear, NormedInput, linear_gelu_tanh_and_mul, linear_silu_and_mul
 
 # How an RMSNorm applies its weight w to the float32-normalised h; each rounds where its HF model does
 # (in float32 all three agree up to Gemma's offset):
@@ -95,9 +94,9 @@ class MergedLinear(Linear):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one projection. act is SiLU (on a GPU,
-    SiLU and the product are one kernel, or at 1-2 rows part of the gate/up projection's GEMV) or Gemma's
-    tanh-approximated GELU (in torch)."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection. act is SiLU or Gemma's
+    tanh-approximated GELU; on a GPU the activation and the product are one kernel, or at 1-2 rows part of
+    the gate/up projection's GEMV."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu",
                  fused_in_checkpoint: bool = False) -> None:
@@ -111,8 +110,5 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
-        if self.activation == "silu":
-            return self.down_proj(linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        gated = linear_silu_and_mul if self.activation == "silu" else linear_gelu_tanh_and_mul
+        return self.down_proj(gated(x, self.gate_up_proj.weight, self.gate_up_proj.bias))

@@ -12,7 +12,8 @@ same bits:
     residual) computed by every CTA from the 1-2 rows, the sum hidden + residual (the residual stream)
     written once; anywhere the GEMV does not serve, the norm runs first (`NormedInput.materialise`);
   * `linear_silu_and_mul(x, gate_up_weight, bias)`: a gated MLP's gate/up projection followed by SiLU(gate)
-    * up, applied by the GEMV to its own outputs (a warp computes a gate row and its up row together).
+    * up, applied by the GEMV to its own outputs (a warp computes a gate row and its up row together);
+    `linear_gelu_tanh_and_mul` the same with Gemma's GELU-tanh.
 The kernel runs where benchmarks/linear.py measured it faster than cuBLAS on both benchmark shapes: one
 row, and two rows for matrices of fewer than 4,096 output features (o_proj, down_proj; wider ones at two
 rows, and everything at three or more, stay on cuBLAS); for bf16/fp16 CUDA inputs with aligned rows and
@@ -31,9 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes
-from pagednb.model.fused_ops import rms_norm, silu_and_mul
+from pagednb.model.fused_ops import gelu_tanh_and_mul, rms_norm, silu_and_mul
 
 GEMV_TWO_ROWS_MAX_FEATURES = 4096  # two rows: only narrower weights (benchmarks/linear.py)
+# a gated MLP's activation: its code for the GEMV (launchers.h GemvGate; 0: ungated) and its fused_ops kernel
+GEMV_GATES = {"silu": 1, "gelu_tanh": 2}
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -81,14 +85,24 @@ def linear_silu_and_mul(x: torch.Tensor | NormedInput, weight: torch.Tensor, bia
                         ) -> torch.Tensor:
     """silu_and_mul(linear(x, weight, bias)) for weight [2 * I, K] = [gate | up] rows (a NormedInput x is
     normed first): [..., I], in one GEMV launch where it serves the rows."""
+    return _linear_gated(x, weight, bias, "silu")
+
+
+def linear_gelu_tanh_and_mul(x: torch.Tensor | NormedInput, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu_tanh_and_mul(linear(x, weight, bias)), as linear_silu_and_mul (Gemma's MLP)."""
+    return _linear_gated(x, weight, bias, "gelu_tanh")
+
+
+def _linear_gated(x: torch.Tensor | NormedInput, weight: torch.Tensor, bias: torch.Tensor | None,
+                  activation: str) -> torch.Tensor:
     normed = isinstance(x, NormedInput)
     if _normed_gemv_applies(x, weight, bias) if normed else _gemv_applies(x, weight, bias):
-        kernel = KERNEL.enabled()
-        out = (kernel.gemv_rms_norm(x, weight, bias, silu_and_mul=True) if normed
-               else kernel.gemv(x, weight, bias, silu_and_mul=True))
+        kernel, gate = KERNEL.enabled(), GEMV_GATES[activation]
+        out = kernel.gemv_rms_norm(x, weight, bias, gate) if normed else kernel.gemv(x, weight, bias, gate)
         if out is not None:
             return out
-    return silu_and_mul(normed_linear(x, weight, bias) if normed else linear(x, weight, bias))
+    return GATED_ACTIVATIONS[activation](normed_linear(x, weight, bias) if normed else linear(x, weight, bias))
 
 
 class Linear(nn.Linear):
@@ -133,13 +147,14 @@ class GemvKernel:
         self.max_norm_width = lib.pagednb_gemv_max_norm_width()  # a NormedInput's rows sit in shared memory
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             silu_and_mul: bool = False) -> torch.Tensor | None:
-        """x @ weight.T (+ bias); with silu_and_mul, SiLU(gate) * up of that product's [gate | up] halves."""
+             gate: int = 0) -> torch.Tensor | None:
+        """x @ weight.T (+ bias); with a gate (a GEMV_GATES code), act(gate) * up of that product's [gate | up]
+        halves."""
         k = x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         n = weight.shape[0]
         if (weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() or x2.stride(-1) != 1
-                or weight.device != x.device or k % 8 or (silu_and_mul and n % 2)):
+                or weight.device != x.device or k % 8 or (gate and n % 2)):
             return None
         if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1
                                  or bias.device != x.device):
@@ -147,17 +162,17 @@ class GemvKernel:
         x_stride = x2.stride(0) if x2.shape[0] > 1 else k
         if (x2.data_ptr() | weight.data_ptr() | x_stride * x.element_size()) % 16:
             return None
-        width = n // 2 if silu_and_mul else n
+        width = n // 2 if gate else n
         out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
         rc = self._lib.pagednb_gemv(self._dtype_codes[x.dtype], out.data_ptr(), width, x2.data_ptr(), x_stride,
                                     weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    x2.shape[0], n, k, int(silu_and_mul), current_stream(x))
+                                    x2.shape[0], n, k, gate, current_stream(x))
         check_status(self._lib, rc, "gemv")
         return out
 
     def gemv_rms_norm(self, x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | None,
-                      silu_and_mul: bool = False) -> torch.Tensor | None:
-        """x.materialise() @ weight.T (+ bias) (silu_and_mul as gemv) in one launch, setting x.stream; None
+                      gate: int = 0) -> torch.Tensor | None:
+        """x.materialise() @ weight.T (+ bias) (gate as gemv) in one launch, setting x.stream; None
         (x untouched) for inputs it does not serve."""
         h, res, norm_w = x.hidden, x.residual, x.weight
         k = h.shape[-1]
@@ -166,7 +181,7 @@ class GemvKernel:
         if (weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() or h2.stride(-1) != 1
                 or weight.device != h.device or k % 8 or k > self.max_norm_width or norm_w.shape != (k,)
                 or norm_w.dtype != h.dtype or norm_w.stride(0) != 1 or norm_w.device != h.device
-                or (silu_and_mul and n % 2)):
+                or (gate and n % 2)):
             return None
         if bias is not None and (bias.shape != (n,) or bias.dtype != h.dtype or bias.stride(0) != 1
                                  or bias.device != h.device):
@@ -181,14 +196,14 @@ class GemvKernel:
         es = h.element_size()
         if (h2.data_ptr() | weight.data_ptr() | norm_w.data_ptr() | (res_ptr or 0) | (h_stride | r_stride) * es) % 16:
             return None
-        width = n // 2 if silu_and_mul else n
+        width = n // 2 if gate else n
         out = torch.empty((*h.shape[:-1], width), dtype=h.dtype, device=h.device)
         stream = torch.empty(h.shape, dtype=h.dtype, device=h.device) if res is not None else h
         offset, in_float32 = (0.0, 0) if x.weight_offset is None else (float(x.weight_offset), 1)
         rc = self._lib.pagednb_gemv_rms_norm(
             self._dtype_codes[h.dtype], out.data_ptr(), width, h2.data_ptr(), h_stride, res_ptr, r_stride,
             None if res is None else stream.data_ptr(), norm_w.data_ptr(), x.eps, offset, in_float32,
-            weight.data_ptr(), None if bias is None else bias.data_ptr(), h2.shape[0], n, k, int(silu_and_mul),
+            weight.data_ptr(), None if bias is None else bias.data_ptr(), h2.shape[0], n, k, gate,
             current_stream(h))
         check_status(self._lib, rc, "gemv_rms_norm")
         x.stream = stream
