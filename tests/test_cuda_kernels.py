@@ -214,6 +214,10 @@ SOFTCAP = [
     ([1500, 40], [1, 1], 8, 2, 128, 16, torch.float32, 100),  # float32 rows, sliding window
     ([700, 333, 2], [300, 333, 1], 8, 4, 256, 16, torch.bfloat16, 128),  # prefill chunks and a decode row
     ([500, 64], [200, 64], 16, 8, 128, 32, torch.float16, None),
+    # the tiny Gemma 2 of test_architectures: a window of 8 inside blocks of 16, a 16-token chunk after context,
+    # a whole prompt and decode rows, on the float32 rows and on the bf16 prefill and decode kernels
+    ([72, 64, 9], [16, 64, 1], 4, 2, 16, 16, torch.float32, 8),
+    ([72, 40, 100], [72, 16, 1], 4, 2, 16, 16, torch.bfloat16, 8),
 ]
 
 

@@ -84,13 +84,17 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     return path
 
 
-def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
+def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int, device: str = "cpu",
+              attn_implementation: str | None = None) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, in float32 with EOS ignored: the oracle
-    that pagednb's greedy outputs must equal token for token."""
+    that pagednb's greedy outputs must equal token for token. attn_implementation None: HF's default for
+    the model; "eager" where the default may drop part of the model's math (transformers 5.17 runs
+    Gemma 2 on "sdpa", which ignores attn_logit_softcapping)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              attn_implementation=attn_implementation).to(device)
     refs = []
     for prompt in prompts:
         ids = tok(prompt, return_tensors="pt").input_ids.to(device)

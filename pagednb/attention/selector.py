@@ -2,12 +2,9 @@
 
 "auto": on a CUDA device, pagednb's own kernels (compiled on first use, cached on disk); when they
 cannot be built (no nvcc, a failed build) the pure-torch reference, with one warning saying why. On a
-CPU, the reference. A model that soft-caps its attention scores (Gemma 2) also gets the reference on a GPU:
-the kernels compute the cap and match the reference kernel by kernel, but the engine's greedy outputs with
-them have not yet matched HF's on the H200 (issue 15), and a wrong answer is worse than a slow one. So does
-an fp8 KV cache under a float32 model: the kernels read fp8 for bf16/fp16 queries only. "torch_ref" forces
-the reference anywhere; "cuda" forces the kernels and raises if they are unavailable (or cannot serve an fp8
-cache under float32).
+CPU, the reference. An fp8 KV cache under a float32 model gets the reference on a GPU too: the kernels read
+fp8 for bf16/fp16 queries only. "torch_ref" forces the reference anywhere; "cuda" forces the kernels and
+raises if they are unavailable (or cannot serve an fp8 cache under float32).
 """
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ from pagednb.attention.torch_ref import TorchReferenceBackend
 BACKENDS = ("auto", "torch_ref", "cuda")
 
 
-def select_attention_backend(device: torch.device, name: str = "auto", attention_softcap: bool = False,
+def select_attention_backend(device: torch.device, name: str = "auto",
                              fp8_cache_in_float32: bool = False) -> AttentionBackend:
     """"auto": the fastest backend that works on `device`; a name forces that backend."""
     if name not in BACKENDS:
@@ -35,11 +32,6 @@ def select_attention_backend(device: torch.device, name: str = "auto", attention
             warnings.warn("pagednb: an fp8 KV cache under a float32 model runs on the pure-torch attention backend "
                           "(the kernels read fp8 for bfloat16/float16 models: dtype='bfloat16' puts it on them)",
                           RuntimeWarning, stacklevel=3)
-        return TorchReferenceBackend()
-    if name == "auto" and device.type == "cuda" and attention_softcap:
-        warnings.warn("pagednb: attention soft-capping (Gemma 2) runs on the pure-torch attention backend; "
-                      "pagednb's CUDA kernels for it are not yet verified end to end (attention_backend='cuda' "
-                      "forces them)", RuntimeWarning, stacklevel=3)
         return TorchReferenceBackend()
     if name == "torch_ref" or (name == "auto" and device.type != "cuda"):
         return TorchReferenceBackend()

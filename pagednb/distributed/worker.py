@@ -28,7 +28,6 @@ from pagednb.engine.kv_cache_sizing import plan_kv_pool
 from pagednb.engine.model_runner import ModelRunner
 from pagednb.engine.spec_decode.drafter import max_draft_rows
 from pagednb.model import load_hf_config, load_model, model_spec, resolve_model_path
-from pagednb.model.registry import uses_attention_softcap
 
 
 def main(argv: list[str]) -> None:
@@ -66,7 +65,7 @@ class Worker:
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(device)
         torch.manual_seed(config.seed)
         kv_cache_dtype = config.resolve_kv_cache_dtype(dtype)
-        backend = select_attention_backend(device, config.attention_backend, uses_attention_softcap(spec, hf_config),
+        backend = select_attention_backend(device, config.attention_backend,
                                            fp8_cache_in_float32=is_fp8(kv_cache_dtype) and dtype == torch.float32)
         model = load_model(path, hf_config, spec, dtype, device, backend, config.load_format, tp=tp)
         self.runner = ModelRunner(model, device, dtype, config.block_size, config.max_num_seqs, self.max_model_len,

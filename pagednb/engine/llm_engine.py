@@ -42,7 +42,6 @@ from pagednb.engine.spec_decode.drafter import MAX_DRAFT_BATCH, Drafter, max_dra
 from pagednb.engine.spec_decode.verifier import DraftVerifier
 from pagednb.engine.step_report import StepRecorder
 from pagednb.model import load_hf_config, load_model, load_tokenizer, model_spec, resolve_model_path
-from pagednb.model.registry import uses_attention_softcap
 from pagednb.model.spec import check_start_up_memory
 from pagednb.outputs import RequestOutput
 from pagednb.request import Request, RequestStatus
@@ -73,7 +72,7 @@ class LLMEngine:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.attention_backend = select_attention_backend(
-            self.device, config.attention_backend, uses_attention_softcap(self.spec, hf_config),
+            self.device, config.attention_backend,
             fp8_cache_in_float32=is_fp8(kv_cache_dtype) and self.dtype == torch.float32)
         self.spec_config = config.resolve_speculative_config()
         # tensor parallel: ranks 1.. in spawned processes, loading their shards while this one loads its own

@@ -98,11 +98,6 @@ def model_spec(hf_config) -> ModelSpec:
     return ModelSpec.from_hf_config(hf_config, name, SUPPORTED_ARCHITECTURES[name].sliding_windows(hf_config))
 
 
-def uses_attention_softcap(spec: ModelSpec, hf_config) -> bool:
-    """Whether the model soft-caps its attention scores (Gemma 2): the backend selector needs to know."""
-    return bool(SUPPORTED_ARCHITECTURES[spec.architecture].flavor(hf_config).attention_softcap)
-
-
 def build_model(spec: ModelSpec, hf_config, attn_backend: AttentionBackend) -> CausalLM:
     """The decoder of spec's architecture, in its flavour (weights as torch initialises them, or none on
     the meta device)."""
