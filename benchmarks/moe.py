@@ -1,19 +1,27 @@
 """The fused MoE kernel (kernels_cuda/moe.cu) on one Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts of
-intermediate 768, top-8, bf16) at 1, 16, 256 and 2048 tokens, beside:
+intermediate 768, top-8, bf16) at 1 to 8192 tokens, beside:
 
   * a dense GEMM of the same active FLOPs (torch F.linear: x [T, 2048] by the top-8 experts' weights laid
     side by side, [2048 -> 8 * 1536] then [8 * 768 -> 2048]). Target (issue 15): fused time within 1.5x of
     it at each size. At 256 tokens and more nearly every expert is touched, so the MoE layer must read
     ~16x the dense GEMM's weight bytes: there the honest bar is
   * the weight-bytes floor: the bytes of the experts this routing touches, read at the copy bandwidth
-    measured here (read + write of a 2 GiB tensor);
+    measured here (read + write of a 2 GiB tensor, eager: a graph's memcpy node runs slower, NOTES issue 13);
   * the pure-torch reference (fused_moe_reference: HF's expert loop, eager, with its host syncs).
+
+The routing (softmax, top-k, renormalisation: select_experts) is timed apart, the kernel against torch's five
+launches, and with the experts as the layer runs them ("layer": router logits in, output out). Each size's
+kernels are also profiled one by one (eager calls, torch.profiler): routing, sort, gate/up GEMM, down GEMM,
+combine, so a miss says which launch to look at. From 256 tokens, torch._grouped_mm's two GEMMs on the same
+rows (sorted by expert beforehand) give a bar from CUTLASS for the kernel's larger tiles.
 
 Timing: each call captured in a CUDA graph and replayed back to back, rotating over 4 routings (different
 experts each time, so the L2 does not keep a call's weights for the next); one CUDA event per replay,
 median. The reference is timed eagerly (it reads the routing on the host).
 
     python benchmarks/moe.py [--reps 50]        # table on stdout, JSON in benchmarks/results/moe.json
+    PAGEDNB_PDL=0 python benchmarks/moe.py      # without programmatic dependent launch (moe_pdl_off.json);
+                                                # there the profiled kernel times hold no early-start waits
 """
 from __future__ import annotations
 
@@ -30,26 +38,71 @@ from common import print_table, save, time_ms  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pagednb.model.fused_moe import KERNEL, fused_moe, fused_moe_reference, select_experts  # noqa: E402
+from pagednb.model.fused_moe import (KERNEL, fused_moe, fused_moe_reference, select_experts,  # noqa: E402
+                                     select_experts_reference)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 DT = torch.bfloat16
-TOKENS = (1, 16, 256, 2048)
+TOKENS = (1, 16, 64, 128, 256, 2048, 8192)  # 64-255: most decode steps of the standard workload; 8192: a prefill step
 ROUTINGS = 4
 
 
 def copy_gbps(reps: int) -> float:
     src = torch.empty(1 << 30, dtype=DT, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms([lambda: dst.copy_(src)], reps)
+    ms = time_ms([lambda: dst.copy_(src)], reps, graph=False)
     return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+# kernel name -> stage of the layer (first match)
+STAGES = (("moe_select", "routing"), ("moe_route", "sort by expert"), ("true>", "gate/up GEMM"),
+          ("false>", "down GEMM"), ("moe_combine", "combine"))
+
+
+def kernel_breakdown_ms(call, calls: int = 20) -> dict[str, float]:
+    """GPU ms per call of each stage's kernels (torch.profiler over eager calls)."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        stage = next((label for key, label in STAGES if key in e.key), None)
+        if stage is not None and e.self_device_time_total > 0:
+            out[stage] = out.get(stage, 0.0) + e.self_device_time_total / 1e3 / calls
+    return out
+
+
+def grouped_mm_ms(hidden, w13, w2, ids, reps: int) -> float | str:
+    """torch._grouped_mm (CUTLASS's grouped GEMM on Hopper) on the same routed rows, sorted by expert
+    beforehand: its two expert GEMMs only, a bar for the kernel's prefill tiles. The error where torch has
+    no such op or refuses these operands."""
+    try:
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        a = hidden[order // TOP_K].contiguous()
+        offs = torch.bincount(flat, minlength=EXPERTS).cumsum(0).to(torch.int32)
+        act = torch.randn(a.shape[0], INTER, device="cuda").to(DT)
+        up_t, down_t = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N] views of the stored experts
+        return time_ms([lambda: (torch._grouped_mm(a, up_t, offs=offs), torch._grouped_mm(act, down_t, offs=offs))],
+                       reps)
+    except Exception as exc:  # noqa: BLE001 - a probe: say why, carry on
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
 
 
 def bench_tokens(T: int, w13, w2, gbps: float, reps: int, gen) -> dict:
     hidden = torch.randn(T, HIDDEN, generator=gen, device="cuda").to(DT)
-    routings = [select_experts(torch.randn(T, EXPERTS, generator=gen, device="cuda").to(DT), TOP_K, True, True)
-                for _ in range(ROUTINGS)]
+    logits = [torch.randn(T, EXPERTS, generator=gen, device="cuda").to(DT) for _ in range(ROUTINGS)]
+    routings = [select_experts(x, TOP_K, True, True) for x in logits]
     fused_ms = time_ms([lambda r=r: fused_moe(hidden, w13, w2, *r) for r in routings], reps)
+    route_ms = time_ms([lambda x=x: select_experts(x, TOP_K, True, True) for x in logits], reps)
+    route_torch_ms = time_ms([lambda x=x: select_experts_reference(x, TOP_K, True, True) for x in logits], reps)
+    layer_ms = time_ms([lambda x=x: fused_moe(hidden, w13, w2, *select_experts(x, TOP_K, True, True))
+                        for x in logits], reps)
+    stages = kernel_breakdown_ms(lambda: fused_moe(hidden, w13, w2, *select_experts(logits[0], TOP_K, True, True)))
+    grouped = grouped_mm_ms(hidden, w13, w2, routings[0][1], reps) if T >= 256 else "-"
     ref_ms = time_ms([lambda r=r: fused_moe_reference(hidden, w13, w2, *r) for r in routings],
                        max(3, reps // 10), graph=False)
     dense_mid = torch.randn(T, TOP_K * INTER, generator=gen, device="cuda").to(DT)
@@ -61,7 +114,9 @@ def bench_tokens(T: int, w13, w2, gbps: float, reps: int, gen) -> dict:
     weight_bytes = touched * 3 * HIDDEN * INTER * 2
     floor_ms = weight_bytes / gbps / 1e6
     flops = 2 * T * TOP_K * 3 * HIDDEN * INTER
-    return {"tokens": T, "experts_touched": touched, "fused_ms": fused_ms, "dense_gemm_ms": dense_ms,
+    return {"tokens": T, "experts_touched": touched, "fused_ms": fused_ms, "routing_ms": route_ms,
+            "routing_torch_ms": route_torch_ms, "layer_ms": layer_ms, "layer_vs_dense": layer_ms / dense_ms,
+            "kernel_ms": stages, "torch_grouped_mm_ms": grouped, "dense_gemm_ms": dense_ms,
             "reference_ms": ref_ms, "weight_bytes_floor_ms": floor_ms, "fused_TFLOPs": flops / fused_ms / 1e9,
             "fused_weight_GBps": weight_bytes / fused_ms / 1e6, "vs_dense": fused_ms / dense_ms,
             "vs_floor": fused_ms / floor_ms, "vs_reference": ref_ms / fused_ms}
@@ -87,8 +142,12 @@ def main() -> None:
                    "met": r["vs_dense"] <= 1.5,
                    "vs_weight_bytes_floor": {"target": "<= 1.5x", "ratio": r["vs_floor"], "met": r["vs_floor"] <= 1.5}}
                for k, r in results.items()}
-    path = save("moe", {"shape": {"hidden": HIDDEN, "moe_intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K,
-                                  "dtype": "bfloat16"}, "copy_GBps": gbps, "results": results, "targets": targets})
+    from pagednb.kernels import load_kernels
+    pdl = bool(load_kernels().pagednb_pdl_enabled())  # PAGEDNB_PDL=0 turns it off: `moe_pdl_off.json`
+    path = save("moe" if pdl else "moe_pdl_off",
+                {"shape": {"hidden": HIDDEN, "moe_intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K,
+                           "dtype": "bfloat16"}, "programmatic_dependent_launch": pdl, "copy_GBps": gbps,
+                 "results": results, "targets": targets})
     print(f"wrote {path}")
     print_table(["tokens", "experts", "fused ms", "dense ms", "x dense", "floor ms", "x floor", "weight GB/s",
                  "TFLOP/s", "ref ms", "ref / fused", "<=1.5x dense", "<=1.5x floor"],
@@ -96,6 +155,14 @@ def main() -> None:
                   r["weight_bytes_floor_ms"], r["vs_floor"], r["fused_weight_GBps"], r["fused_TFLOPs"],
                   r["reference_ms"], r["vs_reference"], "yes" if targets[f"T{r['tokens']}"]["met"] else "NO",
                   "yes" if r["vs_floor"] <= 1.5 else "NO"]
+                 for r in results.values()])
+    print("\nRouting and the whole layer (router logits in), and each stage's kernels (profiled, eager"
+          + ("; with PDL a kernel's time includes its early start's wait: PAGEDNB_PDL=0 for clean ones)" if pdl
+             else ")"))
+    print_table(["tokens", "routing ms", "torch routing ms", "layer ms", "layer x dense"]
+                + [label for _, label in STAGES] + ["torch._grouped_mm GEMMs ms"],
+                [[r["tokens"], r["routing_ms"], r["routing_torch_ms"], r["layer_ms"], r["layer_vs_dense"]]
+                 + [r["kernel_ms"].get(label, 0.0) for _, label in STAGES] + [r["torch_grouped_mm_ms"]]
                  for r in results.values()])
 
 

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import torch
 from common import print_table, save
-from shapes import SHAPES, make_model_dir, workload
+from shapes import CHECKPOINT_FREE, SHAPES, make_model_dir, workload
 
 from pagednb import LLM, SamplingParams
 
 # first matching substring of a kernel's name decides its category
 CATEGORIES = [
+    ("MoE routing", ("moe_select", "moe_route")),
+    ("MoE expert GEMMs", ("moe_gemm",)),
+    ("MoE combine", ("moe_combine",)),
     ("attention (decode rows)", ("row_attn", "group_mma_decode", "row_reduce")),
     ("attention (prefill)", ("prefill_attn", "prefill_kernel")),
     ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "splitKreduce")),
@@ -49,6 +52,8 @@ def main() -> None:
     args = parser.parse_args()
     prompts, outputs = workload(args.requests, SHAPES[args.shape]["vocab_size"])
     options = {} if args.kv_cache_dtype is None else {"kv_cache_dtype": args.kv_cache_dtype}
+    if args.shape in CHECKPOINT_FREE:  # its folder has no weights: random ones made on the device
+        options["load_format"] = "dummy"
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(str(make_model_dir(args.shape, Path(tmp) / args.shape)), max_model_len=2048, max_num_seqs=256,
                   max_num_batched_tokens=8192, **options)

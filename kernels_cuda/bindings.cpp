@@ -317,6 +317,19 @@ int pagednb_fused_moe(int dtype, void* out, const void* hidden, int64_t hidden_s
   return pagednb::launch_fused_moe(dtype, a, stream);
 }
 
+// The router's top-k experts and their weights from router logits (bf16 / fp16); weights in the logits' dtype
+// when round_weights, else float32; ids int64.
+int pagednb_moe_select_experts(int dtype, const void* logits, int64_t row_stride, void* weights, int64_t* ids, int T,
+                               int E, int topk, int renormalize, int round_weights, void* stream) {
+  if (dtype != pagednb::kFloat16 && dtype != pagednb::kBFloat16) return -1;
+  if (T < 0 || E < 1 || E > pagednb::kMoeMaxExperts || topk < 1 || topk > E || topk > pagednb::kMoeMaxTopK ||
+      row_stride < E)
+    return -1;
+  if (T > 0 && (logits == nullptr || weights == nullptr || ids == nullptr)) return -1;
+  pagednb::MoeSelectArgs a{logits, row_stride, weights, ids, T, E, topk, renormalize != 0, round_weights != 0};
+  return pagednb::launch_moe_select_experts(dtype, a, stream);
+}
+
 // ---- the tables of what the kernels take, read by pagednb/kernels/abi.py ------------------------------------
 // torch's name of a dtype code ("bfloat16"); nullptr past the last code.
 const char* pagednb_dtype_name(int code) { return supported_dtype(code) ? kDTypeNames[code] : nullptr; }
@@ -329,6 +342,7 @@ int pagednb_max_sample_vocab() { return pagednb::kMaxSampleVocab; }
 int pagednb_gemv_max_rows() { return pagednb::kGemvMaxRows; }
 int pagednb_gemv_max_norm_width() { return pagednb::kGemvMaxNormWidth; }
 int pagednb_moe_max_experts() { return pagednb::kMoeMaxExperts; }
+int pagednb_moe_max_topk() { return pagednb::kMoeMaxTopK; }
 
 int pagednb_params_size() { return (int)sizeof(AttnParams); }
 

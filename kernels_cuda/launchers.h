@@ -235,6 +235,20 @@ struct FusedMoeArgs {
   int T, H, I, E, topk;      // H and I multiples of 8; pointers 16-byte aligned
 };
 
+// The router's top-k (HF's routing: softmax in float32 over all E, the top k, optionally divided by their sum),
+// from router logits [T, E] of the model's 16-bit type; one warp per token, topk <= 32.
+constexpr int kMoeMaxTopK = 32;
+
+struct MoeSelectArgs {
+  const void* logits;        // [T, E], row stride row_stride (elements), last dim dense
+  int64_t row_stride;
+  void* weights;             // [T, topk], dense: the logits' dtype when round_weights, else float32
+  int64_t* ids;              // [T, topk], dense, in descending weight (ties: lower id first)
+  int T, E, topk;
+  bool renormalize, round_weights;
+};
+
+int launch_moe_select_experts(int dtype, const MoeSelectArgs& a, void* stream);
 int64_t moe_workspace_bytes(int T, int H, int I, int E, int topk);
 int launch_fused_moe(int dtype, const FusedMoeArgs& a, void* stream);
 

@@ -1,5 +1,9 @@
 // The fused mixture-of-experts MLP: out[t] = sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)).
 //
+// The router's choice is one launch of its own (launch_moe_select_experts): one warp per token takes the top k
+// of its router logits (the softmax is monotone, so it picks on the logits; ties go to the lower expert id),
+// the softmax of the chosen ones over the whole row, their renormalisation and rounding, as HF routes.
+//
 // Four launches, no host synchronisation and only shape-dependent grids, so a CUDA graph can capture them:
 //   1. route: one 1024-thread CTA counts the (token, slot) pairs per expert, scans the counts into each
 //      expert's first row (expert_offsets) and first M-tile (tile_offsets), and lists the pairs in expert
@@ -15,11 +19,17 @@
 // the tiles this routing needs return at once.
 //
 // Tiles: decode steps route few rows to each expert, and there the weights' bytes dominate, so small batches
-// use 16-row tiles (the mma's M) with narrow N (64 rows of weights per CTA, many CTAs, 8 stages: 56 KB of
-// weights in flight per CTA, since at one token only ~200 CTAs have work); batches of about 8-32 rows per
-// expert (decode at batch 64-512 with top-8 of 128) use 32-row tiles so most experts' weights are read once;
-// larger batches use 64 x 128 tiles, and from 128 rows per expert (prefill) 128 x 128 tiles of 8 warps. The
-// choice depends on the shape only (rows per expert on average), never on the routing.
+// use 16-row tiles (the mma's M) with narrow N (64 rows of weights per CTA, many CTAs, 4 stages: 46 KB of
+// shared memory, 4 CTAs per SM; with 8 stages and 2 CTAs per SM 16 tokens took 0.314 ms, with 4 0.239, NOTES
+// issue 15). They stream the weights faster than the 32-row tiles (2 CTAs per SM): 3.4 TB/s at 64
+// tokens against 3.0 at 128 on the 32-row tiles (H200), so they serve up to 12 rows per expert on average,
+// where an expert rarely needs a second 16-row tile (~10% of them at 12 rows, routed uniformly); batches of
+// about 12-32 rows per expert (decode at batch 192-512 with top-8 of 128) use 32-row tiles so most experts'
+// weights are read once; larger batches use 64 x 128 tiles, and from 128 rows per expert (prefill) 128 x 128
+// tiles of 8 warps. The choice depends on the shape only (rows per expert on average), never on the routing.
+//
+// Every kernel here is launched with programmatic dependent launch (common.cuh): its CTAs start while the
+// kernel before it drains, which at decode is a fair share of a step of ~10 short launches per layer.
 //
 // Rounding follows HF's expert MLP: gate and up rounded to the model dtype, silu rounded, the product
 // rounded, the down projection rounded; the top-k sum is float32 with one rounding (HF adds in bf16).
@@ -72,6 +82,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const int64_t*
                                                                   int* __restrict__ tile_offsets) {
   __shared__ int count[kMoeMaxExperts];
   __shared__ int2 warp_totals[32];
+  PAGEDNB_PDL_ENTER();
   const int tid = threadIdx.x;
   const int threads = blockDim.x;
   for (int e = tid; e < E; e += threads) count[e] = 0;
@@ -98,6 +109,17 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const int64_t*
     const int64_t e = __ldg(ids + p);
     if (e >= 0 && e < E) sorted_pairs[atomicAdd(&count[e], 1)] = p;
   }
+}
+
+// The expert whose M-tiles include `tile`: the last e with tile_offsets[e] <= tile (the offsets never
+// decrease, so those e are a prefix). Each warp counts them itself, its lanes' loads in flight together: one
+// trip to L2 where a binary search made log2(E) dependent ones, a fair part of a decode CTA's short life.
+// Every thread of the warp must call it.
+__device__ __forceinline__ int expert_of_tile(const int* __restrict__ tile_offsets, int E, int tile) {
+  int below = 0;
+#pragma unroll 4
+  for (int e = threadIdx.x & 31; e < E; e += 32) below += __ldg(tile_offsets + e) <= tile ? 1 : 0;
+  return __reduce_add_sync(0xffffffffu, below) - 1;
 }
 
 struct GemmArgs {
@@ -134,37 +156,18 @@ __global__ void __launch_bounds__(WM * WN * 32) moe_gemm_kernel(const GemmArgs g
   __shared__ const T* a_rows[BM];  // each tile row's source row (nullptr: past the expert's rows)
   __shared__ int out_rows[BM];     // each tile row's destination row (-1: none)
 
+  PAGEDNB_PDL_ENTER();  // the routing and the A rows come from the kernels before
+
   // which expert and which of its rows this CTA serves
   const int tile = blockIdx.x;
-  const int num_tiles = __ldg(g.tile_offsets + g.E);
-  if (tile >= num_tiles) return;
-  int lo = 0, hi = g.E - 1;  // the last expert whose first tile is <= tile
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(g.tile_offsets + mid) <= tile) lo = mid; else hi = mid - 1;
-  }
-  const int e = lo;
-  const int m0 = __ldg(g.expert_offsets + e) + (tile - __ldg(g.tile_offsets + e)) * BM;
-  const int m_end = __ldg(g.expert_offsets + e + 1);
+  const int e = expert_of_tile(g.tile_offsets, g.E, tile);
+  if (tile >= __ldg(g.tile_offsets + g.E)) return;  // past the tiles this routing needs
   const int n0 = blockIdx.y * Cfg::kOutCols;
-  const T* a_base = static_cast<const T*>(g.a);
-  for (int r = threadIdx.x; r < BM; r += Cfg::kThreads) {
-    const int m = m0 + r;
-    if (m < m_end) {
-      const int pair = __ldg(g.sorted_pairs + m);
-      a_rows[r] = kGateUp ? a_base + (int64_t)(pair / g.topk) * g.a_stride : a_base + (int64_t)m * g.a_stride;
-      out_rows[r] = kGateUp ? m : pair;
-    } else {
-      a_rows[r] = nullptr;
-      out_rows[r] = -1;
-    }
-  }
-  __syncthreads();
-
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
   const int w_rows_total = kGateUp ? 2 * g.N : g.N;
   const T* w_base = static_cast<const T*>(g.w) + (int64_t)e * w_rows_total * g.K;
+  const T* a_base = static_cast<const T*>(g.a);
 
   // the weight row each shared B row holds (nullptr: past the matrix)
   auto b_row = [&](int s) -> const T* {
@@ -183,9 +186,8 @@ __global__ void __launch_bounds__(WM * WN * 32) moe_gemm_kernel(const GemmArgs g
 
   const int k_tiles = (g.K + kBK - 1) / kBK;
   constexpr int kChunksPerRow = kBK / 8;
-  auto load_stage = [&](int stage, int kt) {
+  auto load_a = [&](int stage, int kt) {
     T* as = smem + stage * Cfg::kStageElems;
-    T* bs = as + BM * kLd;
     const int k0 = kt * kBK;
     for (int c = tid; c < BM * kChunksPerRow; c += Cfg::kThreads) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
@@ -193,6 +195,10 @@ __global__ void __launch_bounds__(WM * WN * 32) moe_gemm_kernel(const GemmArgs g
       const bool ok = src != nullptr && k0 + col < g.K;
       cp_async16(as + r * kLd + col, ok ? src + k0 + col : a_base, ok);
     }
+  };
+  auto load_b = [&](int stage, int kt) {
+    T* bs = smem + stage * Cfg::kStageElems + BM * kLd;
+    const int k0 = kt * kBK;
     for (int c = tid; c < BN * kChunksPerRow; c += Cfg::kThreads) {
       const int s = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
       const T* src = b_row(s);
@@ -200,6 +206,27 @@ __global__ void __launch_bounds__(WM * WN * 32) moe_gemm_kernel(const GemmArgs g
       cp_async16(bs + s * kLd + col, ok ? src + k0 + col : w_base, ok);
     }
   };
+
+  // The weights need only the expert: their first stages stream while the rows are looked up (the first
+  // commit group below holds them all, so waiting for stage 0 waits for them too).
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < k_tiles) load_b(s, s);
+
+  const int m0 = __ldg(g.expert_offsets + e) + (tile - __ldg(g.tile_offsets + e)) * BM;
+  const int m_end = __ldg(g.expert_offsets + e + 1);
+  for (int r = tid; r < BM; r += Cfg::kThreads) {
+    const int m = m0 + r;
+    if (m < m_end) {
+      const int pair = __ldg(g.sorted_pairs + m);
+      a_rows[r] = kGateUp ? a_base + (int64_t)(pair / g.topk) * g.a_stride : a_base + (int64_t)m * g.a_stride;
+      out_rows[r] = kGateUp ? m : pair;
+    } else {
+      a_rows[r] = nullptr;
+      out_rows[r] = -1;
+    }
+  }
+  __syncthreads();
 
   float acc[MI][NI][4];
 #pragma unroll
@@ -211,7 +238,7 @@ __global__ void __launch_bounds__(WM * WN * 32) moe_gemm_kernel(const GemmArgs g
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < k_tiles) load_stage(s, s);
+    if (s < k_tiles) load_a(s, s);
     cp_async_commit();
   }
   for (int kt = 0; kt < k_tiles; ++kt) {
@@ -238,7 +265,10 @@ __global__ void __launch_bounds__(WM * WN * 32) moe_gemm_kernel(const GemmArgs g
       }
     }
     const int next = kt + STAGES - 1;
-    if (next < k_tiles) load_stage(next % STAGES, next);
+    if (next < k_tiles) {
+      load_a(next % STAGES, next);
+      load_b(next % STAGES, next);
+    }
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -292,6 +322,7 @@ template <typename T>
 __global__ void __launch_bounds__(128) moe_combine_kernel(T* __restrict__ out, const T* __restrict__ ybuf,
                                                           const void* __restrict__ weights, int weights_dtype,
                                                           const int64_t* __restrict__ ids, int H, int topk, int E) {
+  PAGEDNB_PDL_ENTER();
   const int t = blockIdx.x;
   constexpr int V = Elem<T>::kVec;
   for (int v = threadIdx.x; v < H / V; v += blockDim.x) {
@@ -311,6 +342,75 @@ __global__ void __launch_bounds__(128) moe_combine_kernel(T* __restrict__ out, c
 #pragma unroll
     for (int i = 0; i < V / 2; ++i) words[i] = pack2<T>(sum[2 * i], sum[2 * i + 1]);
     *reinterpret_cast<uint4*>(out + (int64_t)t * H + v * V) = packed;
+  }
+}
+
+// ---- routing: softmax, top-k, renormalisation ------------------------------------------------------------
+constexpr int kSelectWarps = 4;  // tokens per CTA
+
+// A logit and its expert as one integer that orders as (logit, then lower id first): the float's bits made
+// monotone in the high word (-0 counted as +0: their probabilities tie), the id's complement in the low word;
+// every expert's key is distinct.
+__device__ __forceinline__ uint64_t routing_key(float logit, int expert) {
+  uint32_t u = __float_as_uint(logit + 0.f);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<uint64_t>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(expert));
+}
+
+__device__ __forceinline__ uint64_t warp_max(uint64_t x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint64_t y = __shfl_xor_sync(0xffffffffu, x, off);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// One warp per token: k rounds of a warp-wide max over the keys below the last pick (lane r keeps pick r),
+// then softmax(logits)[pick] = exp(l - max) / sum exp(l_j - max) in float32, divided by the picks' sum when
+// renormalising, rounded to L when the architecture rounds (Qwen3-MoE) or stored as float32 (Mixtral).
+template <typename L>
+__global__ void __launch_bounds__(kSelectWarps * 32) moe_select_kernel(const L* __restrict__ logits,
+                                                                       int64_t row_stride, int T, int E, int topk,
+                                                                       bool renormalize, bool round_weights,
+                                                                       void* __restrict__ weights,
+                                                                       int64_t* __restrict__ ids) {
+  extern __shared__ float rows[];  // [kSelectWarps][E]: each warp's row as float32
+  PAGEDNB_PDL_ENTER();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * kSelectWarps + warp;
+  if (t >= T) return;
+  float* row = rows + warp * E;
+  for (int e = lane; e < E; e += 32) row[e] = Elem<L>::to_float(logits[(int64_t)t * row_stride + e]);
+  __syncwarp();
+  uint64_t last = ~0ull, mine = 0;
+  for (int r = 0; r < topk; ++r) {
+    uint64_t best = 0;
+    for (int e = lane; e < E; e += 32) {
+      const uint64_t key = routing_key(row[e], e);
+      if (key < last && key > best) best = key;
+    }
+    last = warp_max(best);
+    if (lane == r) mine = last;
+  }
+  const float top = row[0xffffffffu - static_cast<uint32_t>(__shfl_sync(0xffffffffu, mine, 0))];  // the max
+  float sum = 0.f;
+  for (int e = lane; e < E; e += 32) sum += expf(row[e] - top);
+  sum = warp_sum(sum);
+  const int expert = static_cast<int>(0xffffffffu - static_cast<uint32_t>(mine));
+  float p = lane < topk ? __fdiv_rn(expf(row[expert] - top), sum) : 0.f;
+  if (renormalize) p = __fdiv_rn(p, warp_sum(p));
+  if (lane < topk) {
+    const int64_t slot = (int64_t)t * topk + lane;
+    ids[slot] = expert;
+    if (round_weights) static_cast<L*>(weights)[slot] = Elem<L>::from_float(p);
+    else static_cast<float*>(weights)[slot] = p;
   }
 }
 
@@ -357,8 +457,7 @@ int launch_gemm(const GemmArgs& g, int pairs, cudaStream_t st) {
   const int64_t tiles = std::min<int64_t>(pairs, (pairs + Cfg::BM - 1) / Cfg::BM + std::min(g.E, pairs));
   const int64_t col_blocks = (g.N + Cfg::kOutCols - 1) / Cfg::kOutCols;
   if (tiles > 0x7fffffff || col_blocks > 65535) return -1;
-  kernel<<<dim3((unsigned)tiles, (unsigned)col_blocks), Cfg::kThreads, Cfg::kSmemBytes, st>>>(g);
-  return (int)cudaGetLastError();
+  return launch_pdl(kernel, dim3((unsigned)tiles, (unsigned)col_blocks), dim3(Cfg::kThreads), Cfg::kSmemBytes, st, g);
 }
 
 // Both GEMMs with one tile shape; BM must match the routing kernel's.
@@ -369,9 +468,8 @@ int launch_expert_mlp(const FusedMoeArgs& a, const Workspace& w, cudaStream_t st
   // one thread per expert at least (the scan), per pair where there are few: a decode step's routing
   // is a few hundred threads, not 1024 with its barriers
   const int threads = std::min(kRouteThreads, (std::max(a.E, pairs) + 31) / 32 * 32);
-  moe_route_kernel<<<1, threads, 0, st>>>(a.topk_ids, pairs, a.E, BM, w.sorted_pairs, w.expert_offsets,
-                                          w.tile_offsets);
-  int rc = (int)cudaGetLastError();
+  int rc = launch_pdl(moe_route_kernel, dim3(1), dim3(threads), 0, st, a.topk_ids, pairs, a.E, BM, w.sorted_pairs,
+                      w.expert_offsets, w.tile_offsets);
   if (rc != 0) return rc;
   const GemmArgs up{a.hidden, a.hidden_stride, a.w13, w.act, w.sorted_pairs, w.expert_offsets, w.tile_offsets,
                     a.E, a.topk, a.I, a.H};
@@ -386,24 +484,40 @@ template <typename T>
 int launch_fused_moe_dtype(const FusedMoeArgs& a, cudaStream_t st) {
   const Workspace w = carve(a.workspace, a.T, a.H, a.I, a.E, a.topk);
   const int64_t pairs = (int64_t)a.T * a.topk;
-  // rows per expert on average: a few (decode) -> 16 x 64 tiles, many CTAs streaming weights 7 stages ahead;
-  // about a tile (large decode batches) -> 32 x 128, so an expert's weights are read once; more (prefill)
+  // rows per expert on average: under 12 (decode) -> 16 x 64 tiles, many CTAs streaming weights 3 stages ahead;
+  // up to a 32-row tile (large decode batches) -> 32 x 128, so an expert's weights are read once; more (prefill)
   // -> 64 x 128, and from 128 rows 128 x 128 tiles of 8 warps (twice the MMAs per byte of shared memory)
   const int64_t rows_per_expert = pairs / a.E;
-  const int rc = rows_per_expert < 8     ? launch_expert_mlp<T, 1, 4, 1, 2, 8>(a, w, st)
+  const int rc = rows_per_expert < 12    ? launch_expert_mlp<T, 1, 4, 1, 2, 4>(a, w, st)
                  : rows_per_expert < 32  ? launch_expert_mlp<T, 2, 2, 1, 8, 4>(a, w, st)
                  : rows_per_expert < 128 ? launch_expert_mlp<T, 2, 2, 2, 8, 3>(a, w, st)
                                          : launch_expert_mlp<T, 2, 4, 4, 4, 3>(a, w, st);
   if (rc != 0) return rc;
-  moe_combine_kernel<T><<<a.T, 128, 0, st>>>(static_cast<T*>(a.out), static_cast<const T*>(w.ybuf),
-                                             a.topk_weights, a.weights_dtype, a.topk_ids, a.H, a.topk, a.E);
-  return (int)cudaGetLastError();
+  return launch_pdl(moe_combine_kernel<T>, dim3(a.T), dim3(128), 0, st, static_cast<T*>(a.out),
+                    static_cast<const T*>(w.ybuf), a.topk_weights, a.weights_dtype, a.topk_ids, a.H, a.topk, a.E);
 }
 
 }  // namespace
 
 int64_t moe_workspace_bytes(int T, int H, int I, int E, int topk) {
   return carve(nullptr, T, H, I, E, topk).bytes;
+}
+
+int launch_moe_select_experts(int dtype, const MoeSelectArgs& a, void* stream) {
+  if (a.T <= 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const dim3 grid((a.T + kSelectWarps - 1) / kSelectWarps), block(kSelectWarps * 32);
+  const size_t smem = kSelectWarps * a.E * sizeof(float);  // 16 KB at most (kMoeMaxExperts)
+  switch (dtype) {
+    case kFloat16:
+      return launch_pdl(moe_select_kernel<__half>, grid, block, smem, st, static_cast<const __half*>(a.logits),
+                        a.row_stride, a.T, a.E, a.topk, a.renormalize, a.round_weights, a.weights, a.ids);
+    case kBFloat16:
+      return launch_pdl(moe_select_kernel<__nv_bfloat16>, grid, block, smem, st,
+                        static_cast<const __nv_bfloat16*>(a.logits), a.row_stride, a.T, a.E, a.topk, a.renormalize,
+                        a.round_weights, a.weights, a.ids);
+    default: return -1;
+  }
 }
 
 int launch_fused_moe(int dtype, const FusedMoeArgs& a, void* stream) {

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_support import gpu
+from gpu_support import built_kernels, captured, gpu
 from test_model_equivalence import ATOL, PagedCache, hf_logits, prompt, run
 from tiny import EQUIVALENCE_PROMPTS as PROMPTS, hf_greedy, load_model_pair, make_tiny_model
 
 from pagednb import LLM, SamplingParams
 from pagednb.attention import TorchReferenceBackend
 from pagednb.model import load_hf_config, load_model, model_spec
-from pagednb.model.fused_moe import fused_moe_reference, select_experts
+from pagednb.model.fused_moe import KERNEL, fused_moe, fused_moe_reference, select_experts, select_experts_reference
 from pagednb.model.layers import GatedMLP
 from pagednb.model.moe import SparseMoeBlock
 
@@ -292,3 +292,137 @@ def test_gpu_bfloat16_is_as_faithful_as_hf_bfloat16(checkpoint):
             near_tie = logits[ref[i]] - logits[got[i]] <= 0.1
             assert near_tie or routing_nearly_ties(hf, ids + got[:i]), (text, i, got, ref)
     assert ours_off <= 2 * hf_off + positions // 20, (ours_off, hf_off, positions)
+
+
+# ---- the routing kernel (select_experts on a GPU) -------------------------------------------------------------
+def distinct_logits(T: int, E: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Router logits whose rows hold E distinct values (a shuffled ramp, exact in dtype): the top k is unique,
+    so the kernel's choice and torch's must agree expert for expert."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    ramp = torch.rand(T, E, generator=gen, device="cuda").argsort(dim=-1).float() - E / 2
+    return (ramp * (8.0 / E)).to(dtype)
+
+
+def weight_rtol(weights: torch.Tensor) -> float:
+    """float32: the sums' order (kernel vs torch) moves the last bits; 16-bit: one ulp after rounding."""
+    return {torch.float32: 2.0 ** -16, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[weights.dtype]
+
+
+def check_routing(logits: torch.Tensor, top_k: int, renormalize: bool, in_logits_dtype: bool) -> None:
+    got = KERNEL.get().select_experts(logits, top_k, renormalize, in_logits_dtype)
+    assert got is not None, "the routing kernel must cover these logits"
+    want = select_experts_reference(logits, top_k, renormalize, in_logits_dtype)
+    assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1])
+    assert got[0].dtype == want[0].dtype
+    torch.testing.assert_close(got[0], want[0], rtol=weight_rtol(want[0]), atol=0)
+
+
+class _FakeMoeLib:
+    """Stands in for the CUDA library with bindings.cpp's tables; any kernel call fails the test."""
+
+    def pagednb_moe_select_experts(self, *args):
+        raise AssertionError("the routing kernel should have declined")
+
+    @staticmethod
+    def pagednb_dtype_name(code: int) -> bytes | None:
+        return (b"float32", b"float16", b"bfloat16", None)[code]
+
+    @staticmethod
+    def pagednb_moe_max_experts() -> int:
+        return 1024
+
+    @staticmethod
+    def pagednb_moe_max_topk() -> int:
+        return 32
+
+
+@pytest.mark.parametrize("case", ["float32", "3d", "experts_strided", "too_many_experts", "top_k_above_32",
+                                  "top_k_above_experts", "top_k_0"])
+def test_routing_the_kernel_leaves_to_torch(case):
+    """Logits the routing kernel does not take are declined before any launch (select_experts then routes
+    them in torch)."""
+    from pagednb.model.fused_moe import MoeKernel
+
+    logits, top_k = torch.randn(3, 64, dtype=torch.bfloat16), 4
+    if case == "float32":
+        logits = logits.float()
+    elif case == "3d":
+        logits = logits.view(3, 4, 16)
+    elif case == "experts_strided":
+        logits = logits[:, ::2]
+    elif case == "too_many_experts":
+        logits = torch.zeros(3, 1025, dtype=torch.bfloat16)
+    else:
+        top_k = {"top_k_above_32": 33, "top_k_above_experts": 65, "top_k_0": 0}[case]
+    assert MoeKernel(_FakeMoeLib()).select_experts(logits, top_k, True, True) is None
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,E,top_k", [(1, 128, 8), (37, 128, 8), (8192, 128, 8), (5, 8, 2), (16, 60, 1),
+                                       (3, 256, 32)])
+def test_gpu_routing_kernel_matches_torch(dtype, T, E, top_k):
+    """Experts in torch.topk's order (descending), weights as HF computes them, for every routing variant."""
+    built_kernels(KERNEL.get)
+    logits = distinct_logits(T, E, dtype, seed=T + E + top_k)
+    for renormalize in (True, False):
+        for in_logits_dtype in (True, False):
+            check_routing(logits, top_k, renormalize, in_logits_dtype)
+
+
+@gpu
+def test_gpu_routing_kernel_ties_strided_rows_and_what_it_leaves_to_torch():
+    kernel = built_kernels(KERNEL.get)
+    even = torch.zeros(4, 16, dtype=torch.bfloat16, device="cuda")  # every expert ties: the lowest ids win
+    weights, ids = kernel.select_experts(even, 3, False, False)
+    assert ids.tolist() == [[0, 1, 2]] * 4 and torch.equal(weights, torch.full((4, 3), 1 / 16, device="cuda"))
+    wide = distinct_logits(9, 96, torch.bfloat16, seed=5)
+    check_routing(wide[:, 16:80], 4, True, True)  # rows of a wider tensor, read in place (row stride 96)
+    assert kernel.select_experts(wide.float(), 4, True, True) is None  # float32: torch routes
+    assert kernel.select_experts(wide, 33, True, True) is None  # more than 32 per token: torch routes
+    want = select_experts(wide.float(), 4, True, True)  # and select_experts still answers
+    assert torch.equal(want[1], select_experts(wide, 4, True, True)[1])
+
+
+@gpu
+def test_gpu_routing_and_experts_captured_in_a_cuda_graph():
+    """Routing kernel and fused MoE in one graph, replayed on new logits: no host sync anywhere."""
+    built_kernels(KERNEL.get)
+    gen = torch.Generator("cuda").manual_seed(4)
+    T, E, H, I, top_k = 24, 32, 128, 64, 4
+    w13 = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = distinct_logits(T, E, torch.bfloat16, seed=0)
+
+    def layer():
+        return fused_moe(hidden, w13, w2, *select_experts(logits, top_k, True, True))
+
+    graph, out = captured(layer)
+    for seed in (1, 2):
+        logits.copy_(distinct_logits(T, E, torch.bfloat16, seed))
+        graph.replay()
+        weights, ids = select_experts_reference(logits, top_k, True, True)
+        ref = fused_moe_reference(hidden.float(), w13.float(), w2.float(), weights, ids)
+        scale = ref.abs().amax(dim=-1, keepdim=True)
+        assert ((out.float() - ref).abs() <= 2.0 ** -6 * (scale + ref.abs())).all()
+
+
+@gpu
+def test_gpu_16_row_tiles_with_experts_spanning_several_tiles():
+    """160 tokens of Qwen3-30B-A3B's layer take the 16-row tiles (10 rows per expert on average); routed to
+    40 of the 128 experts, each of those has ~32 rows, so its rows span several tiles."""
+    kernel = built_kernels(KERNEL.get)
+    gen = torch.Generator("cuda").manual_seed(6)
+    T, E, H, I, top_k = 160, 128, 2048, 768, 8
+    w13 = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = distinct_logits(T, E, torch.bfloat16, seed=6)
+    logits[:, 40:] -= 16.0  # experts 40.. never in a token's top 8
+    weights, ids = select_experts(logits, top_k, True, True)
+    assert int(ids.max()) < 40 and int(torch.bincount(ids.flatten()).max()) > 16
+    out = kernel.fused_moe(hidden, w13, w2, weights, ids)
+    ref = fused_moe_reference(hidden.float(), w13.float(), w2.float(), weights, ids)
+    scale = ref.abs().amax(dim=-1, keepdim=True)
+    assert ((out.float() - ref).abs() <= 2.0 ** -6 * (scale + ref.abs())).all()

@@ -44,6 +44,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagednb_moe_workspace_bytes": ([_I32, _I32, _I32, _I32, _I32], _I64),
     "pagednb_fused_moe": ([_I32, _VP, _VP, _I64, _VP, _VP, _VP, _VP, _I32, _VP, _I32, _I32, _I32, _I32, _I32, _VP],
                           _I32),
+    "pagednb_moe_select_experts": ([_I32, _VP, _I64, _VP, _VP, _I32, _I32, _I32, _I32, _I32, _VP], _I32),
     # tables and status
     "pagednb_dtype_name": ([_I32], ctypes.c_char_p),
     "pagednb_head_dim": ([_I32], _I32),
@@ -52,6 +53,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagednb_gemv_max_rows": ([], _I32),
     "pagednb_gemv_max_norm_width": ([], _I32),
     "pagednb_moe_max_experts": ([], _I32),
+    "pagednb_moe_max_topk": ([], _I32),
     "pagednb_params_size": ([], _I32),
     "pagednb_pdl_enabled": ([], _I32),
     "pagednb_error_string": ([_I32], ctypes.c_char_p),

@@ -1,15 +1,17 @@
 """The mixture-of-experts MLP as one op: route each token to its top-k experts, run those experts' gated
 MLPs, and add their outputs up weighted by the routing.
 
+Routing: `select_experts` (the kernel on a GPU) and `select_experts_reference` (torch, HF's router code).
 Experts are stored stacked, as HF 5.x stores them: w13 [E, 2 * I, H] (each expert's gate rows, then its up
 rows) and w2 [E, H, I]. Two forms, as in fused_ops.py:
 
   * `fused_moe_reference`: HF's expert loop in plain torch (each hit expert on its tokens, the weighted
     outputs added in the model dtype). It runs on CPU, for float32, for inputs the kernel does not cover,
     under PAGEDNB_FUSED_OPS=0, and it is the tests' oracle;
-  * the kernel (kernels_cuda/moe.cu) for bf16/fp16 on CUDA: tokens sorted by expert on the device, a
-    grouped tensor-core GEMM with SiLU(gate) * up fused in, the down GEMM, and the weighted top-k sum, in
-    four launches with no host synchronisation (a CUDA graph can capture them).
+  * the kernels (kernels_cuda/moe.cu) for bf16/fp16 on CUDA: the routing (softmax, top-k, renormalised,
+    rounded) in one launch; then tokens sorted by expert on the device, a grouped tensor-core GEMM with
+    SiLU(gate) * up fused in, the down GEMM, and the weighted top-k sum, in four launches with no host
+    synchronisation (a CUDA graph can capture them).
 
 Where the kernel could serve the dtype but is not available, or the dtype is float32 on a GPU, the
 fallback warns once, saying why.
@@ -28,9 +30,22 @@ from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_code
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                    weights_in_logits_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, expert ids) [T, top_k] from router logits [T, E], as HF routes: softmax in float32, the
-    top k, divided by their sum when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob), and
-    rounded to the logits' dtype when `weights_in_logits_dtype` (Qwen3-MoE; Mixtral keeps float32)."""
+    """(weights, expert ids int64) [T, top_k] from router logits [T, E], as HF routes: softmax in float32,
+    the top k, divided by their sum when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob), and
+    rounded to the logits' dtype when `weights_in_logits_dtype` (Qwen3-MoE; Mixtral keeps float32).
+    bf16/fp16 logits on a GPU take one kernel launch (torch takes five); ties go to the lower expert id."""
+    if router_logits.is_cuda:
+        kernel = KERNEL.enabled()
+        routed = None if kernel is None else kernel.select_experts(router_logits, top_k, renormalize,
+                                                                     weights_in_logits_dtype)
+        if routed is not None:
+            return routed
+    return select_experts_reference(router_logits, top_k, renormalize, weights_in_logits_dtype)
+
+
+def select_experts_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                             weights_in_logits_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in torch, as HF's routers write it (Qwen3MoeTopKRouter, MixtralTopKRouter)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -108,6 +123,27 @@ class MoeKernel:
         self._lib = lib
         self._dtype_codes = dtype_codes(lib)
         self.max_experts: int = lib.pagednb_moe_max_experts()
+        self.max_top_k: int = lib.pagednb_moe_max_topk()
+
+    def select_experts(self, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                       weights_in_logits_dtype: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """select_experts for 16-bit logits [T, E] with dense rows, E and top_k in the kernel's range."""
+        if (router_logits.dtype not in (torch.float16, torch.bfloat16) or router_logits.dim() != 2
+                or router_logits.stride(1) != 1):
+            return None
+        tokens, experts = router_logits.shape
+        if not (1 <= top_k <= min(experts, self.max_top_k) and experts <= self.max_experts):
+            return None
+        device = router_logits.device
+        weights_dtype = router_logits.dtype if weights_in_logits_dtype else torch.float32
+        weights = torch.empty((tokens, top_k), dtype=weights_dtype, device=device)
+        ids = torch.empty((tokens, top_k), dtype=torch.int64, device=device)
+        rc = self._lib.pagednb_moe_select_experts(
+            self._dtype_codes[router_logits.dtype], router_logits.data_ptr(), router_logits.stride(0),
+            weights.data_ptr(), ids.data_ptr(), tokens, experts, top_k, int(renormalize),
+            int(weights_in_logits_dtype), current_stream(router_logits))
+        check_status(self._lib, rc, "moe_select_experts")
+        return weights, ids
 
     def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor | None:
