@@ -70,14 +70,14 @@ class GrammarBitmask:
 
     def _fill(self, host: torch.Tensor, reqs: list[Request]) -> bool:
         """Fills host's rows for reqs; whether any row has a live grammar. Rows whose request ended since its
-        step was scheduled (or whose grammar terminated) stay all-allowed: their tokens are dropped anyway
-        (on the worker thread such a status read may be a step old: only such rows can differ)."""
+        step was scheduled stay all-allowed: their tokens are dropped anyway (on the worker thread such a
+        status read may be a step old: only such rows can differ). A terminated grammar's request has ended
+        (the engine stops it as the matcher accepts the stop token), so no matcher is asked: this loop holds
+        the GIL, which the engine thread wants meanwhile."""
         rows, states = [], []
         for i, req in enumerate(reqs):
             state = req.logits_state
-            if state is None or state.structured is None or req.is_finished:
-                continue
-            if not state.structured.is_terminated:
+            if state is not None and state.structured is not None and not req.is_finished:
                 rows.append(i)
                 states.append(state.structured)
         if rows:
