@@ -500,3 +500,35 @@ def test_gpu_mask_kernel_masks_in_place_exactly_what_torch_masks(dtype):
     assert torch.equal(copy.cpu(), expected) and torch.equal(logits.cpu(), wide[:, :vocab])
     assert mask_logits_(logits, bitmask.cuda())
     assert torch.equal(logits.cpu(), expected) and torch.isinf(expected[6]).all() and torch.equal(expected[5], wide[5, :vocab])
+
+
+@pytest.mark.parametrize("where", ["start", "fill"])
+def test_a_grammar_fill_that_fails_ends_its_step_alone_and_the_engine_keeps_serving(where, monkeypatch):
+    """If handing the fill to the worker thread raises, or the fill itself raises on the worker, the requests
+    of that step end with "error" (nothing escapes the engine's step), no block leaks, and later requests run."""
+    from pagednb.engine.grammar_bitmask import GrammarBitmask
+    json_params = SamplingParams(temperature=0, max_tokens=30,
+                                 structured_outputs=StructuredOutputsParams(json=OBJECT_SCHEMA))
+    target, name = (GrammarBitmask, "start") if where == "start" else (GrammarCache, "fill_bitmask")
+    original, calls = getattr(target, name), []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(f"{where} broke")
+        return original(self, *args)
+    monkeypatch.setattr(target, name, failing)
+    with LLM(async_scheduling=True) as llm:
+        engine = llm.llm_engine
+        for i in range(3):
+            engine.add_request(f"r{i}", PROMPTS[i], json_params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert len(calls) >= 3
+        assert {r: o.outputs[0].finish_reason for r, o in finals.items()} == {f"r{i}": "error" for i in range(3)}
+        engine.check_integrity()
+        assert llm.stats()["used_blocks"] == 0
+        out = llm.generate([PROMPTS[0]], _mixed_batch()[1][0], use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), OBJECT_SCHEMA)

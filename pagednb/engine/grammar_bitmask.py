@@ -14,7 +14,7 @@ that step's tokens were collected).
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -85,10 +85,11 @@ class GrammarBitmask:
         return bool(rows)
 
     def _finish_started(self) -> None:
-        """Waits for a fill that nobody will take (its step ended another way), so its buffer is free."""
+        """Waits for a fill that nobody will take (its step ended another way), so its buffer is free; what
+        it raised concerns nobody now."""
         started, self._started = self._started, None
         if started is not None:
-            started[1].result()
+            wait([started[1]])
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._worker is None:

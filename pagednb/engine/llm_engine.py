@@ -250,7 +250,7 @@ class LLMEngine:
                 outputs += failed
             # keep the step just launched in flight (its tokens are read at the next call), nothing older
             outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
-            self.runner.start_grammar_bitmask()  # a deferred sampling's rows, filled while the host goes on
+            outputs += self._start_grammar_bitmask()  # a deferred sampling's rows, filled while the host goes on
             outputs = self.output_processor.process(aborted) + outputs
             if recorder is not None:
                 recorder.end(self, outputs)
@@ -279,6 +279,17 @@ class LLMEngine:
             raise
         self._in_flight.append((sched, launched))
         return True, []
+
+    def _start_grammar_bitmask(self) -> list[RequestOutput]:
+        """Starts the fill of the deferred sampling's grammar rows on the worker thread (ModelRunner.launch);
+        if that raises, the step's requests end with the error and the engine keeps serving."""
+        try:
+            self.runner.start_grammar_bitmask()
+        except Exception as error:
+            sched, launched = self._in_flight.pop()
+            self.runner.forget_deferred(launched)
+            return self._fail(sched, error)
+        return []
 
     def _complete_in_flight(self, keep: int = 0) -> list[RequestOutput]:
         """Finishes launched steps, oldest first, until `keep` remain in flight."""

@@ -223,6 +223,12 @@ class ModelRunner:
         if self._deferred is not None and self.logits_processors is not None and self.logits_processors.has_grammars:
             self.logits_processors.start_grammar_bitmask(self._deferred.pending.sampled_reqs, self.device)
 
+    def forget_deferred(self, launched: LaunchedStep) -> None:
+        """Drops a deferred launch's sampling (its step failed before it was queued)."""
+        launched.pending = None
+        if self._deferred is launched:
+            self._deferred = None
+
     @torch.inference_mode()
     def sample(self, launched: LaunchedStep) -> None:
         """Queues a launched step's sampling (grammar rows filled now, on the host, while its forward may
