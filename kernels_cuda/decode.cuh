@@ -8,10 +8,8 @@
 // together), so the main loop needs no shared memory and no barrier; slots are merged at the end
 // (shuffles inside a warp, shared memory across warps). Scores are kept in log2 units (q is
 // pre-scaled by scale * log2 e) and exponentiated with ex2.approx.
-// With P > 1 partitions, each CTA that has keys writes an unnormalised partial (o, m, l) and counts
-// itself done; the last of a (row, kv head [x head group]) merges the partials into the output, so a
-// split step is one launch (merge_partitions). Partitions past a row's keys (a short sequence, a sliding
-// window) exit at once and are not merged.
+// With P > 1 partitions, each CTA writes an unnormalised partial (o, m, l) and row_reduce_kernel
+// merges them.
 // PIPE (16-bit types; the default): each thread streams its own K/V vectors through a private
 // shared-memory ring of S steps with cp.async, S - 1 steps ahead of the math, so loads stay in flight
 // while it computes; no barrier is needed since a thread only reads what it copied itself. Without
@@ -35,7 +33,6 @@ constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima
 // padding row past the last sequence, or a prefill row while only decode rows are served).
 struct RowKeys {
   int seq, t_begin, t_end;
-  int parts;  // the row's partitions that hold keys, the first `parts` (1: the CTA writes the output itself)
 };
 
 __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& k) {
@@ -48,105 +45,15 @@ __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& 
   const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
   k.t_begin = lo + blockIdx.z * p.part_size;
   k.t_end = min(pos + 1, k.t_begin + p.part_size);
-  k.parts = min(p.P, (pos + 1 - lo + p.part_size - 1) / p.part_size);
   return true;
-}
-
-// Split-K hand-off, after the CTA wrote its partial: true in the CTA that finished last among the row's
-// `parts` partitions of this (kv head [x head group]). As a grid-wide barrier does it: the CTA's barrier
-// orders every thread's partial writes before thread 0's fence, which makes them visible device-wide before
-// it counts the CTA in p.part_count; the last one fences again (acquire: the others' partials, counted
-// before, are read after it) and resets the counter, so every launch leaves the array zero (allocated
-// zeroed once: CUDA graph replays need nothing else).
-__device__ __forceinline__ bool last_partition(const AttnParams& p, int row, int parts) {
-  __shared__ bool s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* count = p.part_count + (int64_t)row * gridDim.y + blockIdx.y;
-    __threadfence();
-    s_last = atomicAdd(count, 1) == parts - 1;
-    if (s_last) {
-      __threadfence();
-      *count = 0;  // no other CTA of this launch reads it again; the next launch comes after this one
-    }
-  }
-  __syncthreads();
-  return s_last;
-}
-
-// E consecutive floats through L2 (ld.global.cg: other SMs wrote them)
-template <int E>
-struct Floats {
-  float v[E];
-};
-template <int E>
-__device__ __forceinline__ Floats<E> ldcg_floats(const float* a) {
-  Floats<E> r;
-  if constexpr (E == 4) {
-    const float4 x = __ldcg(reinterpret_cast<const float4*>(a));
-    r.v[0] = x.x; r.v[1] = x.y; r.v[2] = x.z; r.v[3] = x.w;
-  } else if constexpr (E == 2) {
-    const float2 x = __ldcg(reinterpret_cast<const float2*>(a));
-    r.v[0] = x.x; r.v[1] = x.y;
-  } else {
-    r.v[0] = __ldcg(a);
-  }
-  return r;
-}
-
-// The last CTA's merge of the `parts` partials of heads h0 .. h0 + ng - 1 (ng <= ROWS) of `row` into the
-// output, in partition order with the arithmetic a separate reduce kernel used (the empty partitions it
-// also read added exact zeros). E consecutive elements of a head per thread, as many as let the CTA's
-// heads take one pass (at most 4); the first J partials are loaded at once, so a merge of up to J waits
-// on L2 once. That holds J * (E + 2) registers, so J is 4 with E = 4 and under LEAN (the soft-capped
-// instantiations, whose loops hold the most: 8 would cost the fp8 ones a CTA per SM; ptxas -v), else 8.
-template <typename T, int D, int ROWS, int NT, bool LEAN>
-__device__ __forceinline__ void merge_partitions(const AttnParams& p, int ng, int h0, int row, int parts) {
-  constexpr int E = ROWS * D >= 4 * NT ? 4 : ROWS * D >= 2 * NT ? 2 : 1;
-  constexpr int J = LEAN || E == 4 ? 4 : 8;
-  constexpr int VE = D / E;
-  static_assert(D % E == 0, "head_dim");
-  for (int idx = threadIdx.x; idx < ng * VE; idx += NT) {
-    const int g = idx / VE, d = (idx % VE) * E;
-    const int64_t base = ((int64_t)row * p.H + h0 + g) * p.P;
-    const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + base;
-    const float* po = p.part_o + base * D + d;
-    float2 mj[J];
-    Floats<E> oj[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-      if (j < parts) { mj[j] = __ldcg(ml + j); oj[j] = ldcg_floats<E>(po + j * D); }
-    float M = kNegBig;
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-      if (j < parts) M = fmaxf(M, mj[j].x);
-    for (int j = J; j < parts; ++j) M = fmaxf(M, __ldcg(ml + j).x);
-    float L = 0.f, O[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) O[e] = 0.f;
-    auto add = [&](float2 m, const Floats<E>& o) {
-      const float f = fast_exp2(m.x - M);
-      L += m.y * f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) O[e] += o.v[e] * f;
-    };
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-      if (j < parts) add(mj[j], oj[j]);
-    for (int j = J; j < parts; ++j) add(__ldcg(ml + j), ldcg_floats<E>(po + j * D));
-    T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h0 + g) * D + d;
-#pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = Elem<T>::from_float(O[e] / L * p.v_scale);
-  }
 }
 
 // Merges the NW warps' partial results for the CTA's `ng` query heads h0.. of `row`, left in shared
 // memory as o [NW][ROWS][D] and m, l [NW][ROWS] (unnormalised, maxima in log2 units): the normalised
-// output when the row has one partition with keys, else partition blockIdx.z's partial (o, m, l), merged
-// by the last partition to finish (LEAN: see merge_partitions).
-template <typename T, int D, int NW, int ROWS, int NT, bool LEAN>
+// output when P == 1, else partition blockIdx.z's partial (o, m, l) for row_reduce_kernel.
+template <typename T, int D, int NW, int ROWS, int NT>
 __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const float* s_o, const float* s_m,
-                                                      const float* s_l, int ng, int h0, int row, int parts) {
+                                                      const float* s_l, int ng, int h0, int row) {
   for (int idx = threadIdx.x; idx < ng * D; idx += NT) {
     const int g = idx / D, d = idx % D;
     float M = s_m[g];
@@ -160,7 +67,7 @@ __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const
       O += s_o[(w * ROWS + g) * D + d] * f;
     }
     const int h = h0 + g;
-    if (parts == 1) {
+    if (p.P == 1) {
       T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
       out[d] = Elem<T>::from_float(O / L * p.v_scale);
     } else {
@@ -169,7 +76,6 @@ __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const
       if (d == 0) { p.part_ml[2 * pi] = M; p.part_ml[2 * pi + 1] = L; }
     }
   }
-  if (parts > 1 && last_partition(p, row, parts)) merge_partitions<T, D, ROWS, NT, LEAN>(p, ng, h0, row, parts);
 }
 
 template <typename KV, int D, int GMAX>  // KV: the cache's element type
@@ -207,6 +113,10 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
 
   const int row = blockIdx.x;
+  RowKeys keys;
+  if (!row_keys(p, row, keys)) return;
+  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
+
   const int kvh = blockIdx.y / p.head_groups;
   const int g0 = (blockIdx.y % p.head_groups) * GMAX;
   const int ng = min(GMAX, p.G - g0);
@@ -216,9 +126,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   const int sub = lane % TPR;
   const int slot = warp * TPW + lane / TPR;
 
-  // query heads of this CTA in registers, pre-scaled into log2 units (an fp8 cache's k_scale folded in);
-  // loaded before the row's keys are looked up, so the two loads' latencies overlap (any row < num_rows
-  // has a query row to read)
+  // query heads of this CTA in registers, pre-scaled into log2 units (an fp8 cache's k_scale folded in)
   float qf[GMAX][NV][VEC];
   const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
   const float q_scale = p.scale_log2 * p.k_scale;
@@ -236,10 +144,6 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
       }
     }
   }
-
-  RowKeys keys;
-  if (!row_keys(p, row, keys) || blockIdx.z >= keys.parts) return;  // no row, or a partition past its keys
-  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
   float m[GMAX], l[GMAX], acc[GMAX][NV][VEC];
 #pragma unroll
@@ -412,8 +316,30 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
     }
   }
   __syncthreads();
-  merge_warps_and_store<T, D, NW, GMAX, NT, CAP>(p, &s_acc[0][0][0], &s_m[0][0], &s_l[0][0], ng, h0, row,
-                                                 keys.parts);
+  merge_warps_and_store<T, D, NW, GMAX, NT>(p, &s_acc[0][0][0], &s_m[0][0], &s_l[0][0], ng, h0, row);
+}
+
+// Merges the P partials of each (row, head): one thread per output element of the head.
+template <typename T>
+__global__ void row_reduce_kernel(const AttnParams p, int D) {
+  PAGEDNB_PDL_ENTER();
+  const int row = blockIdx.x, h = blockIdx.y;
+  const int s = find_seq(p.qsl, p.num_seqs, row);
+  if (s < 0) return;
+  if (p.decode_only && __ldg(p.qsl + s + 1) - __ldg(p.qsl + s) != 1) return;
+  const int64_t base = ((int64_t)row * p.H + h) * p.P;
+  const float* ml = p.part_ml + 2 * base;
+  float M = kNegBig;
+  for (int j = 0; j < p.P; ++j) M = fmaxf(M, ml[2 * j]);
+  float L = 0.f, O = 0.f;
+  const int d = threadIdx.x;
+  for (int j = 0; j < p.P; ++j) {
+    const float f = fast_exp2(ml[2 * j] - M);
+    L += ml[2 * j + 1] * f;
+    O += p.part_o[(base + j) * D + d] * f;
+  }
+  T* o = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
+  o[d] = Elem<T>::from_float(O / L * p.v_scale);
 }
 
 // The pipelined variant for 16-bit types unless variant 0 is asked for; float32 never (its ring would
@@ -453,14 +379,17 @@ int launch_row_kv(const AttnParams& p, cudaStream_t st) {
 
 template <typename T, int D, int GMAX>
 int launch_row_t(const AttnParams& p, cudaStream_t st) {
+  int e;
   if constexpr (pipe_ok<T>()) {
     if constexpr (GMAX <= 4)  // an fp8 cache's CTAs take at most 4 heads (row_gmax)
-      return p.cache_fp8 ? launch_row_kv<T, Fp8E4M3, D, GMAX>(p, st) : launch_row_kv<T, T, D, GMAX>(p, st);
+      e = p.cache_fp8 ? launch_row_kv<T, Fp8E4M3, D, GMAX>(p, st) : launch_row_kv<T, T, D, GMAX>(p, st);
     else
-      return p.cache_fp8 ? -1 : launch_row_kv<T, T, D, GMAX>(p, st);
+      e = p.cache_fp8 ? -1 : launch_row_kv<T, T, D, GMAX>(p, st);
   } else {
-    return launch_row_kv<T, T, D, GMAX>(p, st);  // float32 models keep a float32 cache
+    e = launch_row_kv<T, T, D, GMAX>(p, st);  // float32 models keep a float32 cache
   }
+  if (e != 0) return e;
+  return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
 }
 
 template <typename T, typename KV, int D, int GMAX>
@@ -485,7 +414,7 @@ int occupancy_t(int variant, int cache_fp8) {
 
 }  // namespace pagednb
 
-#include "decode_group_mma.cuh"  // the tensor-core kernel for large groups (uses kNegBig, merge_warps_and_store)
+#include "decode_group_mma.cuh"  // the tensor-core kernel for large groups (uses kNegBig, row_reduce_kernel)
 
 namespace pagednb {
 

@@ -16,14 +16,15 @@
 // partition's end, in log2 units (scale * log2 e applied in float32), online softmax per warp row
 // (a quad of lanes holds one row), P rounded to the input type as the A operand of P V (V by
 // ldmatrix.trans), as the prefill kernel and FlashAttention do. The warps' (o, m, l) are merged in
-// shared memory at the end; with P > 1 partitions the last partition to finish merges the unnormalised
-// partials as the row kernel does (merge_warps_and_store).
+// shared memory at the end; with P > 1 partitions the unnormalised partials go to row_reduce_kernel
+// in the row kernel's layout.
 // An fp8 cache (KV = Fp8E4M3): the ring holds the fp8 tiles (16 values per cp.async); once a tile has
 // landed, each lane converts the chunks it copied itself into a per-warp 16-bit tile of the layout above
 // (exact), which ldmatrix then reads as before. Per element that is far fewer instructions than the row
 // kernel's G multiply-adds, so with fp8's halved bytes the kernel stays bandwidth-bound where the row
-// kernel would not. k_scale is folded into the score scale, v_scale into the output (the merges).
-// Included by decode.cuh after the row kernel, whose row_keys, merge_warps_and_store and kNegBig it shares.
+// kernel would not. k_scale is folded into the score scale, v_scale into the output (merge / reduce).
+// Included by decode.cuh after the row kernel, whose row_keys, merge_warps_and_store, kNegBig and
+// row_reduce_kernel it shares.
 #pragma once
 
 #include <type_traits>
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 
   const int row = blockIdx.x;
   RowKeys keys;
-  if (!row_keys(p, row, keys) || blockIdx.z >= keys.parts) return;  // no row, or a partition past its keys
+  if (!row_keys(p, row, keys)) return;
   const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
   const int kvh = blockIdx.y;
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
     }
   }
   __syncthreads();
-  merge_warps_and_store<T, D, NW, 16, C::NT, CAP>(p, s_o, s_m, s_l, G, h0, row, keys.parts);
+  merge_warps_and_store<T, D, NW, 16, C::NT>(p, s_o, s_m, s_l, G, h0, row);
 }
 
 // Allows the kernel its dynamic shared memory (over the 48 KiB default); once per instantiation.
@@ -252,8 +253,10 @@ int launch_group_mma(const AttnParams& p, cudaStream_t st) {
       e != cudaSuccess)
     return (int)e;
   const dim3 grid(p.num_rows, p.Hkv, p.P);
-  return launch_pdl(cap ? group_mma_decode_kernel<T, KV, D, true> : group_mma_decode_kernel<T, KV, D, false>,
-                    grid, dim3(C::NT), C::SMEM, st, p);
+  const int e = launch_pdl(cap ? group_mma_decode_kernel<T, KV, D, true> : group_mma_decode_kernel<T, KV, D, false>,
+                           grid, dim3(C::NT), C::SMEM, st, p);
+  if (e != 0) return e;
+  return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
 }
 
 template <typename T, typename KV, int D>
