@@ -3,12 +3,11 @@
 Four runs of the same 64 requests (32-token random prompts, 128 output tokens, greedy):
 - plain: no grammar (asynchronous scheduling, the default on a GPU);
 - plain, synchronous: no grammar, async scheduling off;
-- json schema: every request has a JSON schema (an object with one free string), asynchronous: step N+1's
-  forward is launched, step N's tokens are fed to the matchers, N+1's bitmask is filled on the grammar worker
-  thread while the engine thread builds N's outputs, schedules N+2 and writes its inputs; N+1's sampling is
-  queued right before N+2's inputs go to the device, the bitmask copied on a side stream and applied to the
-  bf16 logits in place by one kernel (engine/grammar_bitmask.py, structured_output.py);
-- json schema, synchronous: the same with async scheduling off (what the pipelining buys).
+- json schema: every request has a JSON schema (an object with one free string); a grammar request makes the
+  engine's steps synchronous (its matcher takes each token before the next bitmask), the bitmask filled on
+  the host while the step's forward runs (xgrammar's batched fill, one thread) and applied to the bf16
+  logits in place by one kernel (engine/structured_output.py);
+- json schema, synchronous: the same with async scheduling off (the same steps: a check).
 The figure is the generate call's wall time over its engine steps (one prefill step, the rest decode at
 64 rows: output tokens / 64 says whether rows ended early); the table shows the added fraction over each
 plain run (target < 10% over plain). Not timed per step: reading each step's events back would stall

@@ -177,11 +177,12 @@ def test_params_need_exactly_one_valid_field(kwargs, error):
         StructuredOutputsParams(**kwargs)
 
 
-def test_structured_requests_keep_steps_asynchronous(llm):
-    """Only the sampling of a grammar's step waits for the last token, not the whole step."""
+def test_structured_requests_run_synchronous_steps(llm):
+    """A grammar's matcher takes each token before the next bitmask: like penalties, such a request needs its
+    output on the host before the next step is built (measured cheaper than deferring each step's sampling)."""
     req = llm.llm_engine.make_request(None, "Hi", SamplingParams(
         structured_outputs=StructuredOutputsParams(regex="a+")))
-    assert not req.needs_output_history
+    assert req.needs_output_history
 
 
 def test_compiled_grammars_are_cached(llm):
@@ -295,7 +296,7 @@ def test_async_scheduling_engine_keeps_grammars_in_step():
         llm.close()
 
 
-# ---- structured output pipelined with asynchronous scheduling --------------------------------------------
+# ---- structured output on an asynchronous engine ------------------------------------------------------------
 OBJECT_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                   "age": {"type": "integer", "minimum": 0, "maximum": 120}},
                  "required": ["name", "age"], "additionalProperties": False}
@@ -316,13 +317,15 @@ def _mixed_batch():
 
 def _run_stepwise(llm, prompts, params):
     """Adds the requests one step apart (joining while others decode, a step in flight) and steps to the
-    end; returns {request id: final CompletionOutput} and how many samplings waited for their matchers."""
-    engine, deferred = llm.llm_engine, []
+    end; returns {request id: final CompletionOutput} and how many steps with a grammar row were launched
+    while an older step was still in flight (overlapped)."""
+    engine, overlapped = llm.llm_engine, []
     launch = engine.runner.launch
 
-    def counting_launch(sched, defer_sampling=False):
-        deferred.append(defer_sampling)
-        return launch(sched, defer_sampling)
+    def counting_launch(sched):
+        grammar = any(s.request.sampling_params.structured_outputs is not None for s in sched.scheduled)
+        overlapped.append(grammar and bool(engine._in_flight))
+        return launch(sched)
     engine.runner.launch = counting_launch
     finals = {}
     try:
@@ -334,17 +337,17 @@ def _run_stepwise(llm, prompts, params):
     finally:
         engine.runner.launch = launch
     engine.check_integrity()
-    return finals, sum(deferred)
+    return finals, sum(overlapped)
 
 
 def _completion(c):
     return c.token_ids, c.text, c.finish_reason, [lp and sorted(lp.items()) for lp in c.logprobs or []]
 
 
-def test_asynchronous_grammar_steps_equal_synchronous_ones_token_for_token():
-    """With asynchronous scheduling the step after a grammar row's token launches its forward first and
-    samples once the matcher took the token: outputs identical to the synchronous engine's, every JSON
-    output valid, and the steps did overlap (samplings deferred, no synchronous fallback)."""
+def test_an_asynchronous_engine_runs_grammar_steps_synchronously_with_the_same_tokens():
+    """On an asynchronous engine a step with a grammar row is launched only once the previous step's tokens
+    reached the matchers: outputs identical to the synchronous engine's, every JSON output valid, and the
+    engine overlaps steps again once the grammar requests are gone."""
     prompts, params = _mixed_batch()
     runs = {}
     for async_scheduling in (False, True):
@@ -353,8 +356,8 @@ def test_asynchronous_grammar_steps_equal_synchronous_ones_token_for_token():
             assert not llm.llm_engine.needs_sync
             assert not llm.llm_engine.logits_processors.has_grammars  # finished requests forgotten
             assert llm.stats()["used_blocks"] == 0
-    (sync, sync_deferred), (overlapped, deferred) = runs[False], runs[True]
-    assert sync_deferred == 0 and deferred > 10
+    (sync, sync_overlapped), (overlapped, async_overlapped) = runs[False], runs[True]
+    assert sync_overlapped == async_overlapped == 0
     assert {k: _completion(c) for k, c in overlapped.items()} == {k: _completion(c) for k, c in sync.items()}
     for i, p in enumerate(params):
         spec = p.structured_outputs
@@ -365,7 +368,7 @@ def test_asynchronous_grammar_steps_equal_synchronous_ones_token_for_token():
 
 def test_invalid_grammar_refused_at_add_time_while_others_keep_running():
     """A spec that does not compile raises ValueError naming its field as it is added, with grammar and
-    plain requests in flight on an asynchronous engine; they finish exactly as without it."""
+    plain requests running on an asynchronous engine; they finish exactly as without it."""
     prompts, params = _mixed_batch()
     runs = []
     for add_bad in (False, True):
@@ -373,15 +376,14 @@ def test_invalid_grammar_refused_at_add_time_while_others_keep_running():
             engine = llm.llm_engine
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 engine.add_request(f"r{i}", prompt, p)
-            engine.step()
-            engine.step()
-            assert engine._in_flight  # a step in flight, grammar rows decoding
+            finals = {}
+            for _ in range(2):
+                finals.update((o.request_id, _completion(o.outputs[0])) for o in engine.step() if o.finished)
             if add_bad:
                 with pytest.raises(ValueError, match=r"structured_outputs\.regex could not be compiled"):
                     engine.add_request("bad", "Hello", SamplingParams(structured_outputs=StructuredOutputsParams(
                         regex="([a-z")))
                 assert "bad" not in engine.scheduler.requests
-            finals = {}
             while engine.has_unfinished_requests():
                 finals.update((o.request_id, _completion(o.outputs[0])) for o in engine.step() if o.finished)
             runs.append(finals)
@@ -422,65 +424,6 @@ def test_greedy_grammar_rows_sample_from_model_dtype_logits_like_float32():
     assert all(bits[i].flatten()[tokens[i]] == 1 for i in range(n))
 
 
-def test_asynchronous_grammar_rows_are_filled_on_the_worker_thread_ahead_of_their_sampling():
-    """With asynchronous scheduling every deferred step's bitmask is filled on the grammar worker thread,
-    started once the matchers have the previous step's tokens (engine/grammar_bitmask.py); a synchronous
-    engine fills on the engine thread. Outputs are equal either way (the test above)."""
-    import threading
-    prompts, params = _mixed_batch()
-    fill = GrammarCache.fill_bitmask
-    threads = {}
-    for async_scheduling in (False, True):
-        names = threads[async_scheduling] = []
-
-        def recording_fill(self, *args, _names=names):
-            _names.append(threading.current_thread().name)
-            return fill(self, *args)
-        GrammarCache.fill_bitmask = recording_fill
-        try:
-            with LLM(async_scheduling=async_scheduling) as llm:
-                _, deferred = _run_stepwise(llm, prompts, params)
-        finally:
-            GrammarCache.fill_bitmask = fill
-        if async_scheduling:
-            assert deferred > 10
-            worker = [n for n in names if n.startswith("pagednb-grammar")]
-            assert len(worker) >= deferred - 1  # (a step whose grammar rows all ended since has no fill)
-            assert len(names) - len(worker) <= 2  # the first grammar step, before any step was in flight
-    assert threads[False] and all(n == threading.main_thread().name for n in threads[False])
-
-
-def test_a_deferred_sampling_that_fails_ends_its_step_alone_and_the_engine_keeps_serving():
-    """The deferred sampling of a grammar step runs inside the next launch; if it raises, the requests of
-    the step it belongs to end with "error" (not the next step's), no block leaks, and later requests run."""
-    json_params = SamplingParams(temperature=0, max_tokens=30,
-                                 structured_outputs=StructuredOutputsParams(json=OBJECT_SCHEMA))
-    with LLM(async_scheduling=True) as llm:
-        engine = llm.llm_engine
-        sampler, calls = engine.runner.sampler, []
-
-        def failing_sampler(logits, md):
-            calls.append(md.grammar_bitmask is not None)
-            if len(calls) == 4:
-                raise RuntimeError("sampler broke")
-            return sampler.forward(logits, md)
-        engine.runner.sampler = failing_sampler
-        for i in range(3):
-            engine.add_request(f"r{i}", PROMPTS[i], json_params)
-        finals = {}
-        while engine.has_unfinished_requests():
-            finals.update((o.request_id, o) for o in engine.step() if o.finished)
-        assert calls[3]  # the failing sampling was a grammar step's
-        assert {r: o.outputs[0].finish_reason for r, o in finals.items()} == {f"r{i}": "error" for i in range(3)}
-        assert all(len(o.outputs[0].token_ids) == 3 for o in finals.values())  # the three samplings before
-        engine.check_integrity()
-        assert llm.stats()["used_blocks"] == 0
-        engine.runner.sampler = sampler
-        out = llm.generate([PROMPTS[0]], _mixed_batch()[1][0], use_tqdm=False)[0].outputs[0]
-        assert out.finish_reason == "stop"
-        jsonschema.validate(json.loads(out.text), OBJECT_SCHEMA)
-
-
 @pytest.mark.skipif(not CUDA, reason=GPU_REASON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gpu_mask_kernel_masks_in_place_exactly_what_torch_masks(dtype):
@@ -502,22 +445,19 @@ def test_gpu_mask_kernel_masks_in_place_exactly_what_torch_masks(dtype):
     assert torch.equal(logits.cpu(), expected) and torch.isinf(expected[6]).all() and torch.equal(expected[5], wide[5, :vocab])
 
 
-@pytest.mark.parametrize("where", ["start", "fill"])
-def test_a_grammar_fill_that_fails_ends_its_step_alone_and_the_engine_keeps_serving(where, monkeypatch):
-    """If handing the fill to the worker thread raises, or the fill itself raises on the worker, the requests
-    of that step end with "error" (nothing escapes the engine's step), no block leaks, and later requests run."""
-    from pagednb.engine.grammar_bitmask import GrammarBitmask
+def test_a_grammar_fill_that_fails_ends_its_step_alone_and_the_engine_keeps_serving(monkeypatch):
+    """If filling a step's bitmask raises, the requests of that step end with "error" (nothing escapes the
+    engine's step), no block leaks, and later requests run."""
     json_params = SamplingParams(temperature=0, max_tokens=30,
                                  structured_outputs=StructuredOutputsParams(json=OBJECT_SCHEMA))
-    target, name = (GrammarBitmask, "start") if where == "start" else (GrammarCache, "fill_bitmask")
-    original, calls = getattr(target, name), []
+    fill, calls = GrammarCache.fill_bitmask, []
 
     def failing(self, *args):
         calls.append(1)
         if len(calls) == 3:
-            raise RuntimeError(f"{where} broke")
-        return original(self, *args)
-    monkeypatch.setattr(target, name, failing)
+            raise RuntimeError("fill broke")
+        return fill(self, *args)
+    monkeypatch.setattr(GrammarCache, "fill_bitmask", failing)
     with LLM(async_scheduling=True) as llm:
         engine = llm.llm_engine
         for i in range(3):
@@ -525,8 +465,9 @@ def test_a_grammar_fill_that_fails_ends_its_step_alone_and_the_engine_keeps_serv
         finals = {}
         while engine.has_unfinished_requests():
             finals.update((o.request_id, o) for o in engine.step() if o.finished)
-        assert len(calls) >= 3
+        assert len(calls) == 3
         assert {r: o.outputs[0].finish_reason for r, o in finals.items()} == {f"r{i}": "error" for i in range(3)}
+        assert all(len(o.outputs[0].token_ids) == 2 for o in finals.values())  # the two steps before
         engine.check_integrity()
         assert llm.stats()["used_blocks"] == 0
         out = llm.generate([PROMPTS[0]], _mixed_batch()[1][0], use_tqdm=False)[0].outputs[0]

@@ -62,11 +62,11 @@ class TensorParallelRunner(ModelRunner):
             raise self.workers.failure(error) from error
 
     # ---- steps --------------------------------------------------------------------------------------
-    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         self.workers.check_alive()
         self._step_sent = False
         try:
-            return super().launch(sched, defer_sampling)
+            return super().launch(sched)
         except Exception as error:
             if not self._step_sent:
                 raise  # nothing reached the workers: the step fails alone, as on one GPU
@@ -89,8 +89,6 @@ class TensorParallelRunner(ModelRunner):
     def collect(self, launched: LaunchedStep) -> tuple[list[int], object]:
         """As ModelRunner.collect, waiting for the GPU in short polls that also look at the workers: a
         worker that died mid-step leaves this rank's collective, and so the step, unfinished for ever."""
-        if launched.pending is not None:  # deferred sampling (rank 0's alone: no collective in it)
-            self.sample(launched)
         if launched.ready is not None:
             while not launched.ready.query():
                 self.workers.check_alive()

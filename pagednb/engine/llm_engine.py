@@ -244,13 +244,10 @@ class LLMEngine:
                 self.drafter.forget(sched.released_request_ids)
             launched = False
             if sched.scheduled:
-                # grammar rows can only be masked once the older step's tokens reached their matchers
-                defer = overlap and bool(self._in_flight) and self.logits_processors.has_grammars
-                launched, failed = self._launch(sched, defer)
+                launched, failed = self._launch(sched)
                 outputs += failed
             # keep the step just launched in flight (its tokens are read at the next call), nothing older
             outputs += self._complete_in_flight(keep=1 if overlap and launched else 0)
-            outputs += self._start_grammar_bitmask()  # a deferred sampling's rows, filled while the host goes on
             outputs = self.output_processor.process(aborted) + outputs
             if recorder is not None:
                 recorder.end(self, outputs)
@@ -259,19 +256,19 @@ class LLMEngine:
     @property
     def needs_sync(self) -> bool:
         """Whether the next step runs synchronously: a running request's sampling reads its output so
-        far (penalties, min_tokens, bad_words), so it needs the last token first, or speculative decoding
-        may draft (few requests run: drafts are proposed from every token so far). Tells why steps don't
-        overlap. (Grammars don't: their sampling waits for the last token instead, see ModelRunner.launch.)"""
+        far (penalties, min_tokens, bad_words, a grammar's matcher), so it needs the last token first, or
+        speculative decoding may draft (few requests run: drafts are proposed from every token so far).
+        Tells why steps don't overlap."""
         running = self.scheduler.running
         return ((self.drafter is not None and len(running) <= MAX_DRAFT_BATCH)
                 or any(req.needs_output_history for req in running))
 
-    def _launch(self, sched, defer_sampling: bool = False) -> tuple[bool, list[RequestOutput]]:
+    def _launch(self, sched) -> tuple[bool, list[RequestOutput]]:
         """Queues the step; (True, []) or, when the launch raised, (False, the failed requests' outputs)."""
         try:
             if sched.num_draft_tokens:
                 self.verifier.before_sampling(sched)
-            launched = self.runner.launch(sched, defer_sampling)
+            launched = self.runner.launch(sched)
         except Exception as error:  # the step's requests end with "error"; the engine stays usable
             return False, self._fail(sched, error)
         except BaseException:  # KeyboardInterrupt mid-launch: as if the step never ran; the caller decides
@@ -279,17 +276,6 @@ class LLMEngine:
             raise
         self._in_flight.append((sched, launched))
         return True, []
-
-    def _start_grammar_bitmask(self) -> list[RequestOutput]:
-        """Starts the fill of the deferred sampling's grammar rows on the worker thread (ModelRunner.launch);
-        if that raises, the step's requests end with the error and the engine keeps serving."""
-        try:
-            self.runner.start_grammar_bitmask()
-        except Exception as error:
-            sched, launched = self._in_flight.pop()
-            self.runner.forget_deferred(launched)
-            return self._fail(sched, error)
-        return []
 
     def _complete_in_flight(self, keep: int = 0) -> list[RequestOutput]:
         """Finishes launched steps, oldest first, until `keep` remain in flight."""
@@ -476,7 +462,6 @@ class LLMEngine:
                 return
             self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
             self._in_flight.clear()
-            self.logits_processors.close()
             if self.workers is not None:  # first: a collective a dead worker never joined is aborted, not awaited
                 self.workers.close()
             if self.device.type == "cuda":

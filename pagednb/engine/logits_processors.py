@@ -6,9 +6,9 @@ Three stages, each where its data is:
   the result lives on the request (`Request.logits_state`).
 - each step, on the host while the device runs the forward: `build` gives one `LogitsAdjustments` of
   flat positions and values for the sampled rows (None when no row uses any, so the sampler's plain
-  paths stay as they are); `grammar_bitmask` gives the grammar rows right before the step's sampling
-  (with asynchronous scheduling their fill starts on a worker thread once the previous step's tokens
-  reached the matchers, `start_grammar_bitmask`: see engine/structured_output.py, grammar_bitmask.py).
+  paths stay as they are); `grammar_bitmask` fills the grammar rows right before the step's sampling
+  (a request with a grammar runs synchronous steps: its matcher has the last token by then; see
+  engine/structured_output.py).
 - on the device, in the sampler: the grammar bitmask first (in the model's dtype, one kernel), then
   `apply_logits_adjustments` (float32): allowed ids, bad words, bias, in vLLM's order (all before
   penalties; logprobs stay those of the raw logits, vLLM's default).
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagednb.engine.grammar_bitmask import GrammarBitmask
 from pagednb.engine.pinned_stager import PinnedStager
 from pagednb.engine.structured_output import GrammarCache, StructuredState
 from pagednb.request import Request
@@ -63,7 +62,8 @@ class LogitsProcessors:
         # those with a grammar (a request may be in both)
         self._adjusted: dict[str, Request] = {}
         self._structured: dict[str, Request] = {}
-        self._bitmask: GrammarBitmask | None = None  # made at the first step with a grammar
+        self._pinned: torch.Tensor | None = None  # host bitmask, reused once its last copy is done
+        self._copied: torch.cuda.Event | None = None  # recorded after the pinned bitmask's last copy
 
     # ---- add time -----------------------------------------------------------------------------------
     def prepare(self, req: Request) -> None:
@@ -147,27 +147,37 @@ class LogitsProcessors:
             bias_values=floats(bias_val) if bias_pos else None,
         )
 
-    def start_grammar_bitmask(self, reqs: list[Request], device: torch.device) -> None:
-        """Starts filling the grammar rows of the step whose sampled requests are `reqs` on a worker thread
-        (engine/grammar_bitmask.py); its `grammar_bitmask` call collects them."""
-        self._bitmask_on(device).start(reqs)
-
     def grammar_bitmask(self, reqs: list[Request], device: torch.device) -> torch.Tensor | None:
         """[len(reqs), ceil(V / 32)] int32 on device: row i = what reqs[i]'s grammar allows next, all
-        allowed for rows without one (or whose request ended since the step was scheduled: its token is
-        dropped anyway); None when no row has a live grammar. Filled in pinned host memory on a GPU, so the
-        copy waits for nothing but the stream's work before it."""
-        return self._bitmask_on(device).take(reqs)
+        allowed for rows without one; None when no row has a grammar. Filled on the host (xgrammar's batched
+        fill, one thread) in pinned memory on a GPU, so the copy is queued without waiting."""
+        rows, states = [], []
+        for i, req in enumerate(reqs):
+            state = req.logits_state
+            if state is not None and state.structured is not None and not req.is_finished:
+                rows.append(i)
+                states.append(state.structured)
+        if not rows:
+            return None
+        bitmask = self._host_bitmask(len(reqs), device)
+        self.grammars.fill_bitmask(bitmask, states, rows)
+        if device.type != "cuda":
+            return bitmask
+        on_device = bitmask.to(device, non_blocking=True)
+        self._copied.record()
+        return on_device
 
-    def close(self) -> None:
-        """Stops the fill worker thread (if one was started)."""
-        if self._bitmask is not None:
-            self._bitmask.close()
-
-    def _bitmask_on(self, device: torch.device) -> GrammarBitmask:
-        if self._bitmask is None:
-            self._bitmask = GrammarBitmask(self.grammars, device)
-        return self._bitmask
+    def _host_bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """Host rows to fill: pinned and reused on a GPU (after its previous copy is done; steps with a
+        grammar are synchronous, so this never waits in practice), fresh on the CPU (the sampler reads it)."""
+        if device.type != "cuda":
+            return self.grammars.allocate_bitmask(num_rows)
+        if self._pinned is None or self._pinned.shape[0] < num_rows:
+            self._pinned = torch.empty((max(num_rows, 64), self.grammars.bitmask_width), dtype=torch.int32,
+                                       pin_memory=True)
+            self._copied = torch.cuda.Event()  # (an event never recorded: synchronize returns at once)
+        self._copied.synchronize()
+        return self._pinned[:num_rows]
 
     def advance(self, progressed: list[Request]) -> tuple[list[Request], list[Request]]:
         """Feeds each progressed grammar request its new token; returns (rejected, terminated) among the

@@ -43,22 +43,10 @@ class LaunchedStep:
     sampler_output: SamplerOutput | None
     host_token_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
-    pending: PendingSampling | None = None  # forward queued, sampling not yet (ModelRunner.sample)
-    error: Exception | None = None  # its deferred sampling raised while the next step launched: collect raises it
 
     @property
     def token_ids(self) -> torch.Tensor | None:
         return None if self.sampler_output is None else self.sampler_output.token_ids
-
-
-@dataclass
-class PendingSampling:
-    """A launched step's sampling inputs, kept until its grammar bitmask can be filled."""
-
-    logits: torch.Tensor
-    sampling: SamplingMetadata
-    sampled_reqs: list[Request]
-    prompt_logprobs: PromptLogprobs | None
 
 
 @dataclass
@@ -102,11 +90,8 @@ class ModelRunner:
         self.kv_cache_tensors: list[torch.Tensor] = []  # each tensor once: what the cache holds in memory
         self.graphs: DecodeGraphs | None = None
         self.tensor_parallel = None  # the ranks this runner's model is a shard of (distributed/), None on one device
-        # each sampling request's index among the last launch's sampled tokens, and those tokens (device) once
-        # sampled: with deferred sampling the next launch builds its inputs before they are queued
-        self._last_sampled_rows: dict[str, int] = {}
-        self._last_sampled_tokens: torch.Tensor | None = None
-        self._deferred: LaunchedStep | None = None  # launched, its sampling not yet queued (structured output)
+        # the last launch's sampled tokens (device) and each sampling request's index among them
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # pinned landing places of the sampled tokens, one per step that may be in flight (+1 spare)
         on_gpu = device.type == "cuda"
         self._host_tokens = [torch.empty(max_rows, dtype=torch.int64, pin_memory=on_gpu) for _ in range(3)]
@@ -134,7 +119,7 @@ class ModelRunner:
 
     def forget_last_sampled(self) -> None:
         """Drops the last launch's device tensor of sampled tokens (sleep mode: nothing will read it)."""
-        self._last_sampled_rows, self._last_sampled_tokens = {}, None
+        self._last_sampled = None
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_model_len: int) -> int:
@@ -174,12 +159,8 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queues the step's forward pass and sampling on the device; returns without waiting for them.
-        With defer_sampling only the forward: its sampling is queued by the next launch, right before that
-        one's inputs go to the device (they include its tokens), or by `collect`; meanwhile the engine feeds
-        the grammar matchers the previous step's tokens and the bitmask is filled on a worker thread
-        (`start_grammar_bitmask`, engine/grammar_bitmask.py). Only one launch is deferred at a time.
 
         A decode-only step replays the CUDA graph of its batch size; others run eagerly. Inputs whose
         token was sampled by the previous launch and is not known here yet (Request.num_pending_tokens)
@@ -210,39 +191,13 @@ class ModelRunner:
         if self.logits_processors is not None and self.logits_processors.active:
             sampling.adjustments = self.logits_processors.build(sampled_reqs, logits.shape[-1], self.device,
                                                                 self.stager)
-        launched = LaunchedStep(None, pending=PendingSampling(logits, sampling, sampled_reqs, prompt_logprobs))
-        self._last_sampled_rows = {r.request_id: i for i, r in enumerate(sampled_reqs)}
-        if defer_sampling:
-            self._deferred = launched
-        else:
-            self.sample(launched)
-        return launched
-
-    def start_grammar_bitmask(self) -> None:
-        """Starts the fill of the deferred launch's grammar rows (its matchers have every earlier token now)."""
-        if self._deferred is not None and self.logits_processors is not None and self.logits_processors.has_grammars:
-            self.logits_processors.start_grammar_bitmask(self._deferred.pending.sampled_reqs, self.device)
-
-    def forget_deferred(self, launched: LaunchedStep) -> None:
-        """Drops a deferred launch's sampling (its step failed before it was queued)."""
-        launched.pending = None
-        if self._deferred is launched:
-            self._deferred = None
-
-    @torch.inference_mode()
-    def sample(self, launched: LaunchedStep) -> None:
-        """Queues a launched step's sampling (grammar rows filled now, on the host, while its forward may
-        still run) and the copy of its tokens to the host."""
-        pending, launched.pending = launched.pending, None
-        if self._deferred is launched:
-            self._deferred = None
-        sampling, sampled_reqs = pending.sampling, pending.sampled_reqs
         if self.logits_processors is not None and self.logits_processors.has_grammars:
+            # (the previous step's tokens reached the matchers: grammar requests run synchronous steps)
             sampling.grammar_bitmask = self.logits_processors.grammar_bitmask(sampled_reqs, self.device)
-        result = self.sampler(pending.logits, sampling)
-        result.prompt_logprobs = pending.prompt_logprobs
-        self._last_sampled_tokens = result.token_ids
-        launched.sampler_output = result
+        result = self.sampler(logits, sampling)
+        result.prompt_logprobs = prompt_logprobs
+        self._last_sampled = (result.token_ids, {r.request_id: i for i, r in enumerate(sampled_reqs)})
+        launched = LaunchedStep(result)
         if self.device.type == "cuda":
             slot = self._token_slot = (self._token_slot + 1) % len(self._host_tokens)
             host, ready = self._host_tokens[slot], self._tokens_ready[slot]
@@ -251,14 +206,11 @@ class ModelRunner:
             launched.host_token_ids.copy_(result.token_ids, non_blocking=True)
             ready.record()
             launched.ready = ready
+        return launched
 
     def collect(self, launched: LaunchedStep) -> tuple[list[int], SamplerOutput | None]:
         """Waits for a launched step; its sampled tokens, one per sampling request in schedule order
         (INVALID_TOKEN_ID for a row the sampler flagged: the scheduler ends that request alone)."""
-        if launched.pending is not None:  # deferred, and no launch since queued its sampling
-            self.sample(launched)
-        if launched.error is not None:
-            raise launched.error
         if launched.token_ids is None:
             return [], None
         if launched.ready is None:
@@ -290,7 +242,7 @@ class ModelRunner:
         the previous launch's sampled tokens). Only a one-token row can be pending."""
         self._update_block_table(sched)
         row_of = self.block_table.row_of
-        last_index = self._last_sampled_rows
+        last_index = self._last_sampled[1] if self._last_sampled is not None else {}
         reqs, token_ids, starts, rows, pending_rows, pending_sources = [], [], [], [], [], []
         for s in sched.scheduled:
             req, start = s.request, s.start
@@ -330,9 +282,7 @@ class ModelRunner:
 
     def _upload(self, v: StepViews, pending_rows: list[int], pending_sources: list[int]) -> None:
         """Sends the step's inputs to the device, then fills the pending tokens in there (one gather
-        from the previous launch's sampled tokens, no host round trip). The first device work of a launch:
-        a deferred sampling of the previous launch is queued before it."""
-        self._sample_deferred()
+        from the previous launch's sampled tokens, no host round trip)."""
         self.buffers.upload(v)
         if pending_rows:
             self._gather_pending(v.input_ids, pending_rows, pending_sources)
@@ -341,24 +291,9 @@ class ModelRunner:
         """input_ids[rows] = the previous launch's sampled tokens[sources], on the device. A row the sampler
         flagged (INVALID_TOKEN_ID) reads token 0 instead: its request ends with an error when that flag
         reaches the host, this step's token is dropped, and nothing indexes the embedding with -1."""
-        token_ids = self._last_sampled_tokens
+        token_ids = self._last_sampled[0]
         input_ids.index_copy_(0, self.stager.tensor(rows, torch.int64),
                               token_ids.index_select(0, self.stager.tensor(sources, torch.int64)).clamp_(min=0))
-
-    def _sample_deferred(self) -> None:
-        """Queues the deferred launch's sampling. A failure is kept for its `collect` to raise (it ends that
-        step's requests, not this one's); this launch then reads token 0 for its rows (their tokens are
-        dropped: those requests end with the error)."""
-        launched = self._deferred
-        if launched is None:
-            return
-        num_rows = len(launched.pending.sampled_reqs)
-        try:
-            self.sample(launched)
-        except Exception as error:
-            launched.error = error
-            self._deferred = None
-            self._last_sampled_tokens = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Request]]:
         """A step of any shape (prefill chunks and decode tokens), in buffers sized to it; also the

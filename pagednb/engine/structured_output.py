@@ -9,13 +9,13 @@ xgrammar (the grammar engine vLLM and SGLang use) does the grammar work; this mo
   "error"; EOS is in the bitmask only when the matcher can terminate (xgrammar's stop tokens are the
   model's EOS ids); the request finishes ("stop") once the matcher is terminated.
 
-The step, pipelined with asynchronous scheduling: a matcher needs step N's token before it can fill
-its row of step N+1's bitmask, but that bitmask is only needed by N+1's *sampler*, after its forward.
-So the engine launches N+1's forward first, then takes N's tokens and feeds them to the matchers; N+1's
-rows are filled on a worker thread (xgrammar's batched C++ fill, engine/grammar_bitmask.py) while the
-engine thread builds N's outputs, schedules N+2 and writes its inputs, and N+1's sampling is queued right
-before those inputs go to the device (ModelRunner._sample_deferred). The grammar work hides under the host's
-other work and the forward, and structured requests keep asynchronous scheduling on.
+The step: a matcher needs step N's token before it can fill its row of step N+1's bitmask, so a request with a
+grammar runs synchronous steps (Request.needs_output_history, as penalties do): N's tokens reach the matchers,
+then N+1 is launched and its rows are filled (xgrammar's batched C++ fill, one thread) while its forward runs,
+right before its sampling is queued. Measured at batch 64 on the H200 (benchmarks/structured_output.py):
+that costs 1.5% over a synchronous plain step, less than keeping the steps asynchronous and deferring each
+step's sampling until its matchers catch up did (the grammar work then lands on the host's critical path
+anyway, plus its hand-offs: benchmarks/NOTES.md, issue 16's fourth round).
 
 On the device the bitmask is applied to the logits in the model's dtype by one kernel (`mask_disallowed`; in
 place unless the step's logprobs need the raw logits): no float32 copy just for the mask, and greedy rows take
@@ -81,8 +81,8 @@ class GrammarCache:
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self.num_compiled = 0  # compilations done (cache misses); tests read it
         # xgrammar's batched fill on one thread: at batch 64 on the H200's host 0.26 ms a step, vs 0.73 with its
-        # own thread pool ("auto") and 0.23 one matcher at a time plus Python's per-call cost
-        # (benchmarks/structured_output.py); it runs on the grammar worker thread (grammar_bitmask.py)
+        # own thread pool ("auto", whose threads also slowed the engine's) and 0.36 one matcher at a time
+        # (benchmarks/structured_output.py)
         self._batch = xgr.BatchGrammarMatcher(1)
         self.stop_token_ids = frozenset(eos_token_ids)  # a matcher terminates only by accepting one of these
 
