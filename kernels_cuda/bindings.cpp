@@ -215,20 +215,14 @@ int pagednb_qk_norm_rope(int dtype, void* q, int64_t q_stride_tok, int64_t q_str
   return pagednb::launch_qk_norm_rope(dtype, a, stream);
 }
 
-int pagednb_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+// act(gate) * up, act by its GemvGate code: SiLU (1) or GELU-tanh (2)
+int pagednb_gate_and_mul(int dtype, int gate, void* out, const void* gate_up, int64_t stride, int rows, int inter,
                          void* stream) {
   if (!supported_dtype(dtype) || inter <= 0 || rows < 0) return -1;
+  if (gate != pagednb::kGemvSilu && gate != pagednb::kGemvGeluTanh) return -1;
   const int64_t es = elem_size(dtype);
   if (!aligned16({out, gate_up}, {stride * es, inter * es})) return -1;
-  return pagednb::launch_silu_and_mul(dtype, out, gate_up, stride, rows, inter, stream);
-}
-
-int pagednb_gelu_tanh_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
-                              void* stream) {
-  if (!supported_dtype(dtype) || inter <= 0 || rows < 0) return -1;
-  const int64_t es = elem_size(dtype);
-  if (!aligned16({out, gate_up}, {stride * es, inter * es})) return -1;
-  return pagednb::launch_gelu_tanh_and_mul(dtype, out, gate_up, stride, rows, inter, stream);
+  return pagednb::launch_gate_and_mul(dtype, gate, out, gate_up, stride, rows, inter, stream);
 }
 
 // ---- temperature sampling (sampling.cu): logits float32/fp16/bf16, the rest float32, element strides ----------

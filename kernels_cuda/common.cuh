@@ -151,6 +151,13 @@ template <typename T> __device__ __forceinline__ float gelu_tanh_and_mul(float g
   const float gelu = round_to<T>(__fmul_rn(__fmul_rn(0.5f, gate), __fadd_rn(1.0f, tanhf(inner))));
   return round_to<T>(__fmul_rn(gelu, up));
 }
+
+// act(gate) * up of a gated MLP, act by its GemvGate code (launchers.h): the GEMV and fused_ops' kernel share it.
+template <typename T, int GATE> __device__ __forceinline__ float gate_and_mul(float gate, float up) {
+  static_assert(GATE == kGemvSilu || GATE == kGemvGeluTanh, "a gated activation");
+  if constexpr (GATE == kGemvSilu) return silu_and_mul<T>(gate, up);
+  else return gelu_tanh_and_mul<T>(gate, up);
+}
 // ---- the fp8 KV cache: float8 e4m3, stored = fp8(x / scale), read = fp8 * scale ----------------------------
 // pagednb/attention/kv_quant.py is the reference: the same float32 division, rounding to nearest even and
 // saturation to +-448 (cvt.rn.satfinite.e4m3x2.f32), so a kernel's cache holds the reference's bytes.

@@ -281,11 +281,11 @@ int launch_qk_norm_rope_dtype(const QkRopeArgs& a, cudaStream_t st) {
   }
 }
 
-// ---- SiLU(gate) * up ------------------------------------------------------------------------------------
-// One thread per 16-byte vector of the output; gate_up rows are [gate (I) | up (I)].
-// out = round(round(gate / (1 + exp(-gate))) * up), the expression torch's CUDA silu uses.
-template <typename T>
-__global__ void __launch_bounds__(256) silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
+// ---- act(gate) * up: SiLU (most models) or GELU-tanh (Gemma 2/3) ----------------------------------------------
+// One thread per 16-byte vector of the output; gate_up rows are [gate (I) | up (I)]. The activation and the
+// product round as torch's CUDA kernels do (common.cuh's silu_and_mul / gelu_tanh_and_mul).
+template <typename T, int GATE>
+__global__ void __launch_bounds__(256) gate_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
                                                            int64_t stride, int inter, int64_t total_vecs) {
   PAGEDNB_PDL_ENTER();
   constexpr int VEC = Elem<T>::kVec;
@@ -299,47 +299,16 @@ __global__ void __launch_bounds__(256) silu_and_mul_kernel(T* __restrict__ out, 
   ldg_vec(g, gv);
   ldg_vec(g + inter, uv);
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) gv[e] = silu_and_mul<T>(gv[e], uv[e]);
+  for (int e = 0; e < VEC; ++e) gv[e] = gate_and_mul<T, GATE>(gv[e], uv[e]);
   store_vec(out + row * inter + col, gv);
 }
 
-template <typename T>
-int launch_silu_and_mul_dtype(void* out, const void* gate_up, int64_t stride, int rows, int inter, cudaStream_t st) {
+template <typename T, int GATE>
+int launch_gate_and_mul_dtype(void* out, const void* gate_up, int64_t stride, int rows, int inter, cudaStream_t st) {
   const int64_t total = (int64_t)rows * (inter / Elem<T>::kVec);
   const int64_t blocks = (total + 255) / 256;
   if (blocks > 0x7fffffff) return -1;
-  return launch_pdl(silu_and_mul_kernel<T>, dim3((unsigned)blocks), dim3(256), 0, st, static_cast<T*>(out),
-                    static_cast<const T*>(gate_up), stride, inter, total);
-}
-
-// ---- GELU-tanh(gate) * up (Gemma 2/3) ---------------------------------------------------------------------
-// The SiLU kernel's layout, with common.cuh's gelu_tanh_and_mul (torch's CUDA gelu(approximate="tanh"), then mul).
-template <typename T>
-__global__ void __launch_bounds__(256) gelu_tanh_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
-                                                                int64_t stride, int inter, int64_t total_vecs) {
-  PAGEDNB_PDL_ENTER();
-  constexpr int VEC = Elem<T>::kVec;
-  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= total_vecs) return;
-  const int nvec = inter / VEC;
-  const int64_t row = idx / nvec;
-  const int col = (int)(idx % nvec) * VEC;
-  const T* g = gate_up + row * stride + col;
-  float gv[VEC], uv[VEC];
-  ldg_vec(g, gv);
-  ldg_vec(g + inter, uv);
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) gv[e] = gelu_tanh_and_mul<T>(gv[e], uv[e]);
-  store_vec(out + row * inter + col, gv);
-}
-
-template <typename T>
-int launch_gelu_tanh_and_mul_dtype(void* out, const void* gate_up, int64_t stride, int rows, int inter,
-                                   cudaStream_t st) {
-  const int64_t total = (int64_t)rows * (inter / Elem<T>::kVec);
-  const int64_t blocks = (total + 255) / 256;
-  if (blocks > 0x7fffffff) return -1;
-  return launch_pdl(gelu_tanh_and_mul_kernel<T>, dim3((unsigned)blocks), dim3(256), 0, st, static_cast<T*>(out),
+  return launch_pdl(gate_and_mul_kernel<T, GATE>, dim3((unsigned)blocks), dim3(256), 0, st, static_cast<T*>(out),
                     static_cast<const T*>(gate_up), stride, inter, total);
 }
 
@@ -358,21 +327,14 @@ int launch_qk_norm_rope(int dtype, const QkRopeArgs& a, void* stream) {
   return with_dtype(dtype, [&](auto t) { return launch_qk_norm_rope_dtype<decltype(t)>(a, st); });
 }
 
-int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+int launch_gate_and_mul(int dtype, int gate, void* out, const void* gate_up, int64_t stride, int rows, int inter,
                         void* stream) {
   if (rows <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   return with_dtype(dtype, [&](auto t) {
-    return launch_silu_and_mul_dtype<decltype(t)>(out, gate_up, stride, rows, inter, st);
-  });
-}
-
-int launch_gelu_tanh_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
-                             void* stream) {
-  if (rows <= 0) return 0;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return with_dtype(dtype, [&](auto t) {
-    return launch_gelu_tanh_and_mul_dtype<decltype(t)>(out, gate_up, stride, rows, inter, st);
+    using T = decltype(t);
+    return gate == kGemvSilu ? launch_gate_and_mul_dtype<T, kGemvSilu>(out, gate_up, stride, rows, inter, st)
+                             : launch_gate_and_mul_dtype<T, kGemvGeluTanh>(out, gate_up, stride, rows, inter, st);
   });
 }
 

@@ -237,9 +237,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
     if (holder && r == 0 && m < a.M && unit < half) {
       const float g = bias != nullptr ? total + Elem<T>::to_float(bias[unit]) : total;
       const float u = bias != nullptr ? up + Elem<T>::to_float(bias[unit + half]) : up;
-      const float act = GATE == kGemvSilu ? silu_and_mul<T>(round_to<T>(g), round_to<T>(u))
-                                          : gelu_tanh_and_mul<T>(round_to<T>(g), round_to<T>(u));
-      out[unit] = Elem<T>::from_float(act);
+      out[unit] = Elem<T>::from_float(gate_and_mul<T, GATE>(round_to<T>(g), round_to<T>(u)));
     }
   } else {
     const int n = unit * R + r;

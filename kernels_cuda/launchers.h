@@ -137,10 +137,9 @@ struct QkRopeArgs {          // in place on q [N, H, D] and k [N, Hkv, D] (last 
 
 int launch_rms_norm(int dtype, const RmsNormArgs& a, void* stream);
 int launch_qk_norm_rope(int dtype, const QkRopeArgs& a, void* stream);
-int launch_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
+// act(gate) * up of [gate | up] rows, act by a GemvGate code (kGemvSilu or kGemvGeluTanh)
+int launch_gate_and_mul(int dtype, int gate, void* out, const void* gate_up, int64_t stride, int rows, int inter,
                         void* stream);
-int launch_gelu_tanh_and_mul(int dtype, void* out, const void* gate_up, int64_t stride, int rows, int inter,
-                             void* stream);
 
 // ---- temperature and greedy sampling (sampling.cu) -------------------------------------------------------
 constexpr int kMaxSampleVocab = 1 << 20;

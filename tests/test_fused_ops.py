@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from gpu_support import built_kernels, captured, gpu
 
 from pagednb.model import fused_ops
-from pagednb.model.fused_ops import (gelu_tanh_and_mul_reference, qk_norm_rope_reference, rms_norm_reference,
-                                     silu_and_mul_reference)
+from pagednb.model.fused_ops import (GELU_TANH, SILU, gelu_tanh_and_mul_reference, qk_norm_rope_reference,
+                                     rms_norm_reference, silu_and_mul_reference)
 from pagednb.model.layers import RMSNorm
 from pagednb.model.rotary import RotaryEmbedding
 
@@ -403,42 +403,33 @@ def test_the_cache_write_in_the_same_launch_equals_the_backends_cache_write(kern
     assert torch.equal(cache, want_cache)
 
 
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("inter", [64, 1024, 3072, 8960])
-def test_silu_and_mul_is_bit_exact(kernels, dtype, inter):
-    gen = torch.Generator().manual_seed(inter)
-    for n in ROWS:
-        gate_up = (torch.randn(n, 2 * inter, generator=gen) * 4).to("cuda", dtype)
-        got = kernels.silu_and_mul(gate_up)
-        assert got is not None and got.shape == (n, inter) and got.is_contiguous()
-        assert torch.equal(got, silu_and_mul_reference(gate_up)), f"n={n}"
+GATED = [(SILU, silu_and_mul_reference), (GELU_TANH, gelu_tanh_and_mul_reference)]
 
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("inter", [64, 1024, 6912, 8960])  # 6912: Gemma-3-1B
-def test_gelu_tanh_and_mul_is_bit_exact(kernels, dtype, inter):
+@pytest.mark.parametrize("inter", [64, 1024, 3072, 6912, 8960])  # 6912: Gemma-3-1B
+@pytest.mark.parametrize("gate, reference", GATED, ids=["silu", "gelu_tanh"])
+def test_gated_activations_are_bit_exact(kernels, dtype, inter, gate, reference):
     gen = torch.Generator().manual_seed(inter)
     for n in ROWS:
         gate_up = (torch.randn(n, 2 * inter, generator=gen) * 4).to("cuda", dtype)
-        got = kernels.gelu_tanh_and_mul(gate_up)
+        got = kernels.gate_and_mul(gate_up, gate)
         assert got is not None and got.shape == (n, inter) and got.is_contiguous()
-        want = gelu_tanh_and_mul_reference(gate_up)
+        want = reference(gate_up)
         differ = got != want
         assert not differ.any(), (f"n={n}: {differ.sum().item()} of {differ.numel()} differ, max "
                                   f"{ulps(got, want).max().item()} ulp")
 
 
 @gpu
-def test_silu_and_mul_reads_rows_with_a_stride(kernels):
+def test_gated_activations_read_rows_with_a_stride(kernels):
     gen = torch.Generator().manual_seed(6)
     buf = (torch.randn(7, 2 * 1024 + 64, generator=gen) * 4).to("cuda", torch.bfloat16)
     gate_up = buf[:, :2 * 1024]
-    got = kernels.silu_and_mul(gate_up)
-    assert got is not None and torch.equal(got, silu_and_mul_reference(gate_up))
-    got = kernels.gelu_tanh_and_mul(gate_up)
-    assert got is not None and torch.equal(got, gelu_tanh_and_mul_reference(gate_up))
+    for gate, reference in GATED:
+        got = kernels.gate_and_mul(gate_up, gate)
+        assert got is not None and torch.equal(got, reference(gate_up))
 
 
 @gpu
@@ -447,8 +438,8 @@ def test_inputs_the_kernels_do_not_cover_take_the_reference(kernels):
     flat = torch.randn(7 * 64 + 1, generator=gen).to("cuda", torch.bfloat16)
     x = flat[1:].view(7, 64)  # 2 bytes past a 16-byte boundary
     w = torch.randn(64, generator=gen).to("cuda", torch.bfloat16)
-    assert kernels.rms_norm(x, w, EPS) is None and kernels.silu_and_mul(x) is None
-    assert kernels.gelu_tanh_and_mul(x) is None
+    assert kernels.rms_norm(x, w, EPS) is None
+    assert kernels.gate_and_mul(x, SILU) is None and kernels.gate_and_mul(x, GELU_TANH) is None
     assert torch.equal(fused_ops.rms_norm(x, w, EPS), rms_norm_reference(x, w, EPS))
     assert torch.equal(fused_ops.silu_and_mul(x), silu_and_mul_reference(x))
     assert torch.equal(fused_ops.gelu_tanh_and_mul(x), gelu_tanh_and_mul_reference(x))
@@ -485,8 +476,8 @@ def test_kernels_capture_in_a_cuda_graph_and_replay_on_new_inputs(kernels):
         cos, sin = rope(t["positions"], dtype)
         q, k = fused_qkv(n, heads, kv_heads, d, t["qkv"])
         assert kernels.qk_norm_rope(q, k, cos, sin, qw, kw, EPS) is not None
-        act = kernels.silu_and_mul(t["gate_up"])
-        gelu = kernels.gelu_tanh_and_mul(t["gate_up"])
+        act = kernels.gate_and_mul(t["gate_up"], SILU)
+        gelu = kernels.gate_and_mul(t["gate_up"], GELU_TANH)
         assert act is not None and gelu is not None
         return out, new_residual, t["qkv"], act, gelu
 

@@ -388,11 +388,8 @@ def test_gpu_routing_kernel_ties_strided_rows_and_what_it_leaves_to_torch():
 def test_gpu_routing_and_experts_captured_in_a_cuda_graph():
     """Routing kernel and fused MoE in one graph, replayed on new logits: no host sync anywhere."""
     built_kernels(KERNEL.get)
-    gen = torch.Generator("cuda").manual_seed(4)
-    T, E, H, I, top_k = 24, 32, 128, 64, 4
-    w13 = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
-    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    T, E, top_k = 24, 32, 4
+    w13, w2, hidden = random_bf16_layer(T, E, 128, 64, seed=4)
     logits = distinct_logits(T, E, torch.bfloat16, seed=0)
 
     def layer():
@@ -402,10 +399,7 @@ def test_gpu_routing_and_experts_captured_in_a_cuda_graph():
     for seed in (1, 2):
         logits.copy_(distinct_logits(T, E, torch.bfloat16, seed))
         graph.replay()
-        weights, ids = select_experts_reference(logits, top_k, True, True)
-        ref = fused_moe_reference(hidden.float(), w13.float(), w2.float(), weights, ids)
-        scale = ref.abs().amax(dim=-1, keepdim=True)
-        assert ((out.float() - ref).abs() <= 2.0 ** -6 * (scale + ref.abs())).all()
+        assert_bf16_close_to_reference(out, hidden, w13, w2, *select_experts_reference(logits, top_k, True, True))
 
 
 @gpu
@@ -413,16 +407,25 @@ def test_gpu_16_row_tiles_with_experts_spanning_several_tiles():
     """160 tokens of Qwen3-30B-A3B's layer take the 16-row tiles (10 rows per expert on average); routed to
     40 of the 128 experts, each of those has ~32 rows, so its rows span several tiles."""
     kernel = built_kernels(KERNEL.get)
-    gen = torch.Generator("cuda").manual_seed(6)
-    T, E, H, I, top_k = 160, 128, 2048, 768, 8
-    w13 = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
-    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    T, E, top_k = 160, 128, 8
+    w13, w2, hidden = random_bf16_layer(T, E, 2048, 768, seed=6)
     logits = distinct_logits(T, E, torch.bfloat16, seed=6)
     logits[:, 40:] -= 16.0  # experts 40.. never in a token's top 8
     weights, ids = select_experts(logits, top_k, True, True)
     assert int(ids.max()) < 40 and int(torch.bincount(ids.flatten()).max()) > 16
-    out = kernel.fused_moe(hidden, w13, w2, weights, ids)
+    assert_bf16_close_to_reference(kernel.fused_moe(hidden, w13, w2, weights, ids), hidden, w13, w2, weights, ids)
+
+
+def random_bf16_layer(T: int, E: int, H: int, I: int, seed: int):
+    """(w13 [E, 2I, H], w2 [E, H, I], hidden [T, H]) in bf16 on the GPU, scaled like a trained layer's."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
+    return w13, w2, torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+
+
+def assert_bf16_close_to_reference(out, hidden, w13, w2, weights, ids):
+    """Within bf16 rounding (2^-6 of the row's scale plus the element) of the float32 reference MLP."""
     ref = fused_moe_reference(hidden.float(), w13.float(), w2.float(), weights, ids)
     scale = ref.abs().amax(dim=-1, keepdim=True)
     assert ((out.float() - ref).abs() <= 2.0 ** -6 * (scale + ref.abs())).all()

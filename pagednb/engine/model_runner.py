@@ -23,7 +23,7 @@ from pagednb.engine.block_table import BlockTable
 from pagednb.engine.cuda_graphs import DecodeGraphs
 from pagednb.engine.kv_cache_groups import plan_kv_cache_layout
 from pagednb.engine.logits_processors import LogitsProcessors
-from pagednb.engine.logprobs import PromptLogprobs, compute_prompt_logprobs
+from pagednb.engine.logprobs import compute_prompt_logprobs
 from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
 from pagednb.engine.scheduler import SchedulerOutput
 from pagednb.engine.spec_decode.verify_rows import split_verify_rows

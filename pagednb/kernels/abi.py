@@ -30,8 +30,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagednb_qk_norm_rope": ([_I32, _VP, _I64, _I64, _VP, _I64, _I64, _VP, _VP, _I64, _VP, _VP,
                               _I32, _I32, _I32, _I32, _F32, _F32, _I32, _VP, _I64, _I64, _VP, _I64, _VP,
                               _I32, _F32, _F32, _VP], _I32),
-    "pagednb_silu_and_mul": ([_I32, _VP, _VP, _I64, _I32, _I32, _VP], _I32),
-    "pagednb_gelu_tanh_and_mul": ([_I32, _VP, _VP, _I64, _I32, _I32, _VP], _I32),
+    "pagednb_gate_and_mul": ([_I32, _I32, _VP, _VP, _I64, _I32, _I32, _VP], _I32),
     # temperature sampling (engine/sampling_kernel.py)
     "pagednb_sample_temperature": ([_I32, _VP, _I64, _VP, _I64, _VP, _I64, _VP, _I32, _I32, _VP], _I32),
     "pagednb_sample_greedy": ([_I32, _VP, _I64, _VP, _I32, _I32, _VP], _I32),

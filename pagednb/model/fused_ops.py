@@ -28,6 +28,10 @@ from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_code
 from pagednb.model.rotary import apply_rotary
 
 
+# a gated MLP's activation, by the kernels' code for it (kernels_cuda/launchers.h GemvGate)
+SILU, GELU_TANH = 1, 2
+
+
 # ---- the ops ---------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              weight_offset: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -76,23 +80,21 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 * I] = [gate | up]; a new [..., I] tensor."""
-    kernels = _kernels_for(gate_up)
-    if kernels is not None:
-        result = kernels.silu_and_mul(gate_up)
-        if result is not None:
-            return result
-    return silu_and_mul_reference(gate_up)
+    return _gate_and_mul(gate_up, SILU)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up for gate_up [..., 2 * I] = [gate | up] (Gemma 2/3); a new [..., I]
     tensor."""
+    return _gate_and_mul(gate_up, GELU_TANH)
+
+
+def _gate_and_mul(gate_up: torch.Tensor, gate: int) -> torch.Tensor:
     kernels = _kernels_for(gate_up)
-    if kernels is not None:
-        result = kernels.gelu_tanh_and_mul(gate_up)
-        if result is not None:
-            return result
-    return gelu_tanh_and_mul_reference(gate_up)
+    result = kernels.gate_and_mul(gate_up, gate) if kernels is not None else None
+    if result is not None:
+        return result
+    return (silu_and_mul_reference if gate == SILU else gelu_tanh_and_mul_reference)(gate_up)
 
 
 # ---- references: the torch code the kernels reproduce ---------------------------------------------
@@ -208,14 +210,8 @@ class FusedKernels:
         self._check(rc, "qk_norm_rope")
         return q, k
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        return self._gated_activation(gate_up, "silu_and_mul")
-
-    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        return self._gated_activation(gate_up, "gelu_tanh_and_mul")
-
-    def _gated_activation(self, gate_up: torch.Tensor, op: str) -> torch.Tensor | None:
-        """act(gate) * up by the kernel pagednb_<op> (both take the same arguments)."""
+    def gate_and_mul(self, gate_up: torch.Tensor, gate: int) -> torch.Tensor | None:
+        """act(gate) * up, act by its code (SILU, GELU_TANH)."""
         code = self._dtype_codes.get(gate_up.dtype)
         stride = _row_stride(gate_up)
         inter = gate_up.shape[-1] // 2
@@ -224,9 +220,9 @@ class FusedKernels:
         if (gate_up.data_ptr() | (stride | inter) * gate_up.element_size()) % 16:
             return None
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
-        rc = getattr(self._lib, f"pagednb_{op}")(code, out.data_ptr(), gate_up.data_ptr(), stride,
-                                                 out.numel() // inter, inter, current_stream(gate_up))
-        self._check(rc, op)
+        rc = self._lib.pagednb_gate_and_mul(code, gate, out.data_ptr(), gate_up.data_ptr(), stride,
+                                            out.numel() // inter, inter, current_stream(gate_up))
+        self._check(rc, "gate_and_mul")
         return out
 
     def _check(self, rc: int, what: str) -> None:

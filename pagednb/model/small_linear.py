@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes
-from pagednb.model.fused_ops import gelu_tanh_and_mul, rms_norm, silu_and_mul
+from pagednb.model.fused_ops import GELU_TANH, SILU, gelu_tanh_and_mul, rms_norm, silu_and_mul
 
 GEMV_TWO_ROWS_MAX_FEATURES = 4096  # two rows: only narrower weights (benchmarks/linear.py)
 # a gated MLP's activation: its code for the GEMV (launchers.h GemvGate; 0: ungated) and its fused_ops kernel
-GEMV_GATES = {"silu": 1, "gelu_tanh": 2}
+GEMV_GATES = {"silu": SILU, "gelu_tanh": GELU_TANH}
 GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
