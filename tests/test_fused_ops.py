@@ -175,8 +175,8 @@ def test_cpu_tensors_never_reach_the_kernel_library(monkeypatch):
     for got, want in zip(fused_ops.qk_norm_rope(q, k, cos, sin, qw, kw, EPS),
                          qk_norm_rope_reference(q, k, cos, sin, qw, kw, EPS)):
         assert torch.equal(got, want)
-    assert torch.equal(fused_ops.silu_and_mul(x), silu_and_mul_reference(x))
-    assert torch.equal(fused_ops.gelu_tanh_and_mul(x), gelu_tanh_and_mul_reference(x))
+    assert torch.equal(fused_ops.gate_and_mul(x, SILU), silu_and_mul_reference(x))
+    assert torch.equal(fused_ops.gate_and_mul(x, GELU_TANH), gelu_tanh_and_mul_reference(x))
 
 
 def test_pagednb_fused_ops_0_turns_the_kernels_off(monkeypatch):
@@ -441,8 +441,8 @@ def test_inputs_the_kernels_do_not_cover_take_the_reference(kernels):
     assert kernels.rms_norm(x, w, EPS) is None
     assert kernels.gate_and_mul(x, SILU) is None and kernels.gate_and_mul(x, GELU_TANH) is None
     assert torch.equal(fused_ops.rms_norm(x, w, EPS), rms_norm_reference(x, w, EPS))
-    assert torch.equal(fused_ops.silu_and_mul(x), silu_and_mul_reference(x))
-    assert torch.equal(fused_ops.gelu_tanh_and_mul(x), gelu_tanh_and_mul_reference(x))
+    assert torch.equal(fused_ops.gate_and_mul(x, SILU), silu_and_mul_reference(x))
+    assert torch.equal(fused_ops.gate_and_mul(x, GELU_TANH), gelu_tanh_and_mul_reference(x))
     # fp32 weights with bf16 activations (torch would promote): not the kernels' job
     assert kernels.rms_norm(flat[:7 * 64].view(7, 64), w.float(), EPS) is None
     # head_dim 48 is not a kernel instance

@@ -10,7 +10,7 @@ weights of fewer than 4,096 rows), where benchmarks/linear.py measured the kerne
     order of its float32 sums depends only on the weight's shape;
   * strided rows and leading dimensions are served; inputs the kernel does not serve (3 rows, 2 rows of
     a wide weight, float32, misaligned rows, K % 8 != 0) are exactly F.linear;
-  * `linear_silu_and_mul` and `linear_gelu_tanh_and_mul` (a gated MLP's gate/up projection, the GEMV applying
+  * `linear_gate_and_mul` with SILU or GELU_TANH (a gated MLP's gate/up projection, the GEMV applying
     SiLU(gate) * up or GELU-tanh(gate) * up to its own outputs) give the bits of the GEMV followed by the
     activation kernel, wide and narrow weights, with a plain or a normed input, in and out of a CUDA graph,
     and are the activation of linear(...) wherever the GEMV does not serve (CPU, 3 rows);
@@ -28,12 +28,11 @@ import torch.nn.functional as F
 from gpu_support import built_kernels, captured, gpu
 
 from pagednb.model import small_linear
-from pagednb.model.fused_ops import gelu_tanh_and_mul_reference, rms_norm, rms_norm_reference, silu_and_mul_reference
-from pagednb.model.small_linear import (GATED_ACTIVATIONS, GEMV_GATES, Linear, NormedInput, gemv_serves, linear,
-                                        linear_gelu_tanh_and_mul, linear_silu_and_mul)
+from pagednb.model.fused_ops import (GATES, gate_and_mul, gelu_tanh_and_mul_reference, rms_norm, rms_norm_reference,
+                                     silu_and_mul_reference)
+from pagednb.model.small_linear import Linear, NormedInput, gemv_serves, linear, linear_gate_and_mul
 
-GATED = {"silu": (linear_silu_and_mul, silu_and_mul_reference),
-         "gelu_tanh": (linear_gelu_tanh_and_mul, gelu_tanh_and_mul_reference)}
+REFERENCES = {"silu": silu_and_mul_reference, "gelu_tanh": gelu_tanh_and_mul_reference}
 
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
 
@@ -46,15 +45,15 @@ def test_linear_is_f_linear_on_cpu():
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
-@pytest.mark.parametrize("activation", list(GATED))
+@pytest.mark.parametrize("activation", list(GATES))
 def test_a_gated_projection_is_the_projection_then_the_activation_on_cpu(activation):
-    gated, reference = GATED[activation]
+    gate, reference = GATES[activation], REFERENCES[activation]
     gen = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 64, generator=gen), torch.randn(80, 64, generator=gen), torch.randn(80, generator=gen)
-    assert torch.equal(gated(x, w, b), reference(F.linear(x, w, b)))
+    assert torch.equal(linear_gate_and_mul(x, w, b, gate), reference(F.linear(x, w, b)))
     normed = NormedInput(x, x.flip(0), torch.randn(64, generator=gen), 1e-6, None)
     expected = reference(F.linear(rms_norm_reference(x + x.flip(0), normed.weight, 1e-6), w, b))
-    assert torch.equal(gated(normed, w, b), expected)
+    assert torch.equal(linear_gate_and_mul(normed, w, b, gate), expected)
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
@@ -189,49 +188,49 @@ def test_replays_in_a_cuda_graph_on_new_inputs(kernel):
 
 # ---- GPU: SiLU(gate) * up or GELU-tanh(gate) * up applied by the GEMV to its own outputs --------------------------
 @gpu
-@pytest.mark.parametrize("activation", list(GATED))
+@pytest.mark.parametrize("activation", list(GATES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k", [(6144, 1024), (16384, 2048), (2048, 1024), (80, 64)],
                          ids=["wide", "wider", "narrow", "tiny"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_gated_output_gives_the_bits_of_the_gemv_then_the_activation_kernel(kernel, activation, dtype, n, k, bias):
-    gated, reference = GATED[activation]
+    gate, reference = GATES[activation], REFERENCES[activation]
     for m in range(1, kernel.max_rows + 1):
         x, w, b = _inputs(m, n, k, dtype, seed=m, bias=bias)
-        two_launches = GATED_ACTIVATIONS[activation](kernel.gemv(x, w, b))
-        fused = kernel.gemv(x, w, b, GEMV_GATES[activation])
+        two_launches = gate_and_mul(kernel.gemv(x, w, b), gate)
+        fused = kernel.gemv(x, w, b, gate)
         assert fused is not None and fused.shape == (m, n // 2)
         assert torch.equal(fused, two_launches)
         assert torch.equal(two_launches, reference(kernel.gemv(x, w, b)))  # the activation kernel is torch's
         if gemv_serves(m, n):
-            assert torch.equal(gated(x, w, b), fused)
+            assert torch.equal(linear_gate_and_mul(x, w, b, gate), fused)
 
 
 @gpu
 @pytest.mark.parametrize("activation,style", [("silu", "llama"), ("gelu_tanh", "gemma")])
 def test_gated_output_with_a_normed_input_and_three_rows(kernel, activation, style):
-    gated, act = GATED[activation][0], GATED_ACTIVATIONS[activation]
+    gate = GATES[activation]
     x = _normed(1, 1024, torch.bfloat16, seed=3, residual=True, style=style)
     _, w, b = _inputs(1, 6144, 1024, torch.bfloat16, seed=4, bias=True)
     expected, stream = _two_launches(_normed(1, 1024, torch.bfloat16, seed=3, residual=True, style=style), w, b,
                                      kernel)
-    assert torch.equal(gated(x, w, b), act(expected))
+    assert torch.equal(linear_gate_and_mul(x, w, b, gate), gate_and_mul(expected, gate))
     assert torch.equal(x.stream, stream)
     three, _, _ = _inputs(3, 6144, 1024, torch.bfloat16, seed=5)  # cuBLAS, then the activation kernel
-    assert torch.equal(gated(three, w, b), act(F.linear(three, w, b)))
+    assert torch.equal(linear_gate_and_mul(three, w, b, gate), gate_and_mul(F.linear(three, w, b), gate))
 
 
 @gpu
-@pytest.mark.parametrize("activation", list(GATED))
+@pytest.mark.parametrize("activation", list(GATES))
 def test_gated_output_replays_in_a_cuda_graph(kernel, activation):
-    gated = GATED[activation][0]
+    gate = GATES[activation]
     static, w, _ = _inputs(1, 6144, 1024, torch.bfloat16, seed=11)
-    graph, out = captured(lambda: gated(static, w))
+    graph, out = captured(lambda: linear_gate_and_mul(static, w, None, gate))
     fresh, _, _ = _inputs(1, 6144, 1024, torch.bfloat16, seed=13)
     static.copy_(fresh)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, GATED_ACTIVATIONS[activation](kernel.gemv(fresh, w, None)))
+    assert torch.equal(out, gate_and_mul(kernel.gemv(fresh, w, None), gate))
 
 
 # ---- GPU: RMSNorm(hidden + residual) formed by the GEMV ------------------------------------------------------

@@ -28,8 +28,9 @@ from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_code
 from pagednb.model.rotary import apply_rotary
 
 
-# a gated MLP's activation, by the kernels' code for it (kernels_cuda/launchers.h GemvGate)
+# a gated MLP's activation, by the kernels' code for it (kernels_cuda/launchers.h GemvGate), and by its name
 SILU, GELU_TANH = 1, 2
+GATES = {"silu": SILU, "gelu_tanh": GELU_TANH}
 
 
 # ---- the ops ---------------------------------------------------------------------------------------
@@ -78,18 +79,9 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
                                 (v, kv_cache, slot_mapping, *kv_scales))
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [..., 2 * I] = [gate | up]; a new [..., I] tensor."""
-    return _gate_and_mul(gate_up, SILU)
-
-
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, approximate="tanh") * up for gate_up [..., 2 * I] = [gate | up] (Gemma 2/3); a new [..., I]
-    tensor."""
-    return _gate_and_mul(gate_up, GELU_TANH)
-
-
-def _gate_and_mul(gate_up: torch.Tensor, gate: int) -> torch.Tensor:
+def gate_and_mul(gate_up: torch.Tensor, gate: int) -> torch.Tensor:
+    """act(gate) * up for gate_up [..., 2 * I] = [gate | up]; a new [..., I] tensor. act by its code: SILU, or
+    GELU_TANH (gelu(approximate="tanh"), Gemma 2/3)."""
     kernels = _kernels_for(gate_up)
     result = kernels.gate_and_mul(gate_up, gate) if kernels is not None else None
     if result is not None:

@@ -6,8 +6,8 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from pagednb.model.fused_ops import rms_norm
-from pagednb.model.small_linear import Linear, NormedInput, linear_gelu_tanh_and_mul, linear_silu_and_mul
+from pagednb.model.fused_ops import GATES, rms_norm
+from pagednb.model.small_linear import Linear, NormedInput, linear_gate_and_mul
 
 # How an RMSNorm applies its weight w to the float32-normalised h; each rounds where its HF model does
 # (in float32 all three agree up to Gemma's offset):
@@ -101,14 +101,13 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu",
                  fused_in_checkpoint: bool = False) -> None:
         super().__init__()
-        if activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"GatedMLP activation {activation!r} is not one of silu, gelu_tanh")
+        if activation not in GATES:
+            raise ValueError(f"GatedMLP activation {activation!r} is not one of {', '.join(GATES)}")
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias,
             fused_in_checkpoint=fused_in_checkpoint)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-        self.activation = activation
+        self.gate = GATES[activation]  # the activation's kernel code
 
     def forward(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
-        gated = linear_silu_and_mul if self.activation == "silu" else linear_gelu_tanh_and_mul
-        return self.down_proj(gated(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        return self.down_proj(linear_gate_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self.gate))

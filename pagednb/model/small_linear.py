@@ -11,9 +11,9 @@ same bits:
   * a `NormedInput` handed to a `Linear` (a block's first projection: qkv, gate/up): RMSNorm(hidden +
     residual) computed by every CTA from the 1-2 rows, the sum hidden + residual (the residual stream)
     written once; anywhere the GEMV does not serve, the norm runs first (`NormedInput.materialise`);
-  * `linear_silu_and_mul(x, gate_up_weight, bias)`: a gated MLP's gate/up projection followed by SiLU(gate)
-    * up, applied by the GEMV to its own outputs (a warp computes a gate row and its up row together);
-    `linear_gelu_tanh_and_mul` the same with Gemma's GELU-tanh.
+  * `linear_gate_and_mul(x, gate_up_weight, bias, gate)`: a gated MLP's gate/up projection followed by
+    SiLU(gate) * up or Gemma's GELU-tanh(gate) * up, applied by the GEMV to its own outputs (a warp computes a
+    gate row and its up row together).
 The kernel runs where benchmarks/linear.py measured it faster than cuBLAS on both benchmark shapes: one
 row, and two rows for matrices of fewer than 4,096 output features (o_proj, down_proj; wider ones at two
 rows, and everything at three or more, stay on cuBLAS); for bf16/fp16 CUDA inputs with aligned rows and
@@ -32,12 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes
-from pagednb.model.fused_ops import GELU_TANH, SILU, gelu_tanh_and_mul, rms_norm, silu_and_mul
+from pagednb.model.fused_ops import gate_and_mul, rms_norm
 
 GEMV_TWO_ROWS_MAX_FEATURES = 4096  # two rows: only narrower weights (benchmarks/linear.py)
-# a gated MLP's activation: its code for the GEMV (launchers.h GemvGate; 0: ungated) and its fused_ops kernel
-GEMV_GATES = {"silu": SILU, "gelu_tanh": GELU_TANH}
-GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -81,28 +78,18 @@ def normed_linear(x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | Non
     return linear(x.materialise(), weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor | NormedInput, weight: torch.Tensor, bias: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-    """silu_and_mul(linear(x, weight, bias)) for weight [2 * I, K] = [gate | up] rows (a NormedInput x is
-    normed first): [..., I], in one GEMV launch where it serves the rows."""
-    return _linear_gated(x, weight, bias, "silu")
-
-
-def linear_gelu_tanh_and_mul(x: torch.Tensor | NormedInput, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """gelu_tanh_and_mul(linear(x, weight, bias)), as linear_silu_and_mul (Gemma's MLP)."""
-    return _linear_gated(x, weight, bias, "gelu_tanh")
-
-
-def _linear_gated(x: torch.Tensor | NormedInput, weight: torch.Tensor, bias: torch.Tensor | None,
-                  activation: str) -> torch.Tensor:
+def linear_gate_and_mul(x: torch.Tensor | NormedInput, weight: torch.Tensor, bias: torch.Tensor | None,
+                        gate: int) -> torch.Tensor:
+    """gate_and_mul(linear(x, weight, bias), gate) for weight [2 * I, K] = [gate | up] rows and an activation
+    code (fused_ops.SILU, GELU_TANH); a NormedInput x is normed first: [..., I], in one GEMV launch where it
+    serves the rows."""
     normed = isinstance(x, NormedInput)
     if _normed_gemv_applies(x, weight, bias) if normed else _gemv_applies(x, weight, bias):
-        kernel, gate = KERNEL.enabled(), GEMV_GATES[activation]
+        kernel = KERNEL.enabled()
         out = kernel.gemv_rms_norm(x, weight, bias, gate) if normed else kernel.gemv(x, weight, bias, gate)
         if out is not None:
             return out
-    return GATED_ACTIVATIONS[activation](normed_linear(x, weight, bias) if normed else linear(x, weight, bias))
+    return gate_and_mul(normed_linear(x, weight, bias) if normed else linear(x, weight, bias), gate)
 
 
 class Linear(nn.Linear):
@@ -148,7 +135,7 @@ class GemvKernel:
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              gate: int = 0) -> torch.Tensor | None:
-        """x @ weight.T (+ bias); with a gate (a GEMV_GATES code), act(gate) * up of that product's [gate | up]
+        """x @ weight.T (+ bias); with a gate (fused_ops.SILU, GELU_TANH), act(gate) * up of that product's [gate | up]
         halves."""
         k = x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
