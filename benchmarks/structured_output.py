@@ -3,15 +3,17 @@
 Four runs of the same 64 requests (32-token random prompts, 128 output tokens, greedy):
 - plain: no grammar (asynchronous scheduling, the default on a GPU);
 - plain, synchronous: no grammar, async scheduling off;
-- json schema: every request has a JSON schema (an object with one free string); a grammar request makes the
-  engine's steps synchronous (its matcher takes each token before the next bitmask), the bitmask filled on
-  the host while the step's forward runs (xgrammar's batched fill, one thread) and applied to the bf16
-  logits in place by one kernel (engine/structured_output.py);
-- json schema, synchronous: the same with async scheduling off (the same steps: a check).
+- json schema: every request has a JSON schema (an object with one free string), asynchronous scheduling on:
+  each step's forward is launched before the previous step's tokens reach the host, its sampling deferred
+  until the matchers took them and its rows were filled on the grammar thread (xgrammar's batched fill) while
+  the engine thread built outputs; the mask applied to the bf16 logits in place by one kernel
+  (engine/structured_output.py);
+- json schema, synchronous: the same with async scheduling off.
 The figure is the generate call's wall time over its engine steps (one prefill step, the rest decode at
-64 rows: output tokens / 64 says whether rows ended early); the table shows the added fraction over each
-plain run (target < 10% over plain). Not timed per step: reading each step's events back would stall
-the asynchronous run.
+64 rows: output tokens / 64 says whether rows ended early), the best of three generate calls per run (a
+shared host's other work only ever adds time); the table shows the added fraction over each plain run
+(target < 10% over plain). Not timed per step: reading each step's events back would stall the
+asynchronous run.
 
 The vocabulary: the shape's 151,936 ids, as a word-level tokenizer whose first ids are the printable ASCII
 characters (JSON's punctuation among them) and the rest random 2-8 character strings of letters and
@@ -64,23 +66,28 @@ def run(model_dir: Path, structured: bool, async_scheduling: bool | None, args) 
     spec = StructuredOutputsParams(json=SCHEMA) if structured else None
     params = SamplingParams(temperature=0, max_tokens=args.steps, structured_outputs=spec)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up (and the grammar compiled once)
-    before = llm.stats()["steps"]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    steps = llm.stats()["steps"] - before
+    best = None
+    for _ in range(3):
+        before = llm.stats()["steps"]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        steps = llm.stats()["steps"] - before
+        if best is None or wall / steps < best["step_ms"] / 1e3:
+            best = {"structured": structured, "async_scheduling": async_scheduling, "wall_s": wall, "steps": steps,
+                    "step_ms": wall / steps * 1e3,
+                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
     llm.close()
-    return {"structured": structured, "async_scheduling": async_scheduling, "wall_s": wall, "steps": steps,
-            "step_ms": wall / steps * 1e3, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    return best
 
 
 def host_grammar_work(model_dir: Path, batch: int, repeats: int = 20) -> dict:
     """Milliseconds of host work per step for `batch` matchers inside the schema's string (the state the
     timed runs sit in): filling their bitmask rows one matcher at a time (issue 16's first version), with
-    GrammarCache.fill_bitmask (xgrammar's batched fill, used now) and with xgrammar's batched fill on one
-    thread; accepting a token one call per matcher (used) and with xgrammar's batch_accept_token."""
+    GrammarCache.fill_bitmask (xgrammar's batched fill on one thread, used now, on the grammar thread) and with
+    xgrammar's own thread pool; accepting a token one call per matcher (used) and with batch_accept_token."""
     import json
 
     import xgrammar as xgr
@@ -112,12 +119,12 @@ def host_grammar_work(model_dir: Path, batch: int, repeats: int = 20) -> dict:
     matchers = [state.matcher for state in states]
     one_by_one_accept = per_step_ms(lambda: [state.accept(letter) for state in states])
     batched_accept = per_step_ms(lambda: xgr.BatchGrammarMatcher.batch_accept_token(matchers, [letter] * batch))
-    one_thread = xgr.BatchGrammarMatcher(1)
+    pool = xgr.BatchGrammarMatcher("auto")
     return {"fill_one_by_one_ms": per_step_ms(lambda: [s.matcher.fill_next_token_bitmask(bitmask, i)
                                                        for i, s in enumerate(states)]),
-            "fill_batched_ms": per_step_ms(lambda: cache.fill_bitmask(bitmask, states, rows)),
-            "fill_batched_one_thread_ms": per_step_ms(
-                lambda: one_thread.batch_fill_next_token_bitmask(matchers, bitmask, rows)),
+            "fill_batched_ms": per_step_ms(lambda: cache.fill_bitmask(bitmask, matchers, rows)),
+            "fill_batched_thread_pool_ms": per_step_ms(
+                lambda: pool.batch_fill_next_token_bitmask(matchers, bitmask, rows)),
             "accept_one_by_one_ms": one_by_one_accept, "accept_batched_ms": batched_accept}
 
 

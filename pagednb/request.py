@@ -96,10 +96,9 @@ class Request:
         params = self.sampling_params
         # Sampling that reads the output so far (penalties, min_tokens) needs every token on the host
         # before the next step is built, so such a request turns asynchronous scheduling off. So do
-        # bad_words (they read the output), and structured outputs (the matcher takes the last token before
-        # the next bitmask: measured cheaper in synchronous steps, engine/structured_output.py).
-        self.needs_output_history = (params.has_penalties or params.min_tokens > 0 or bool(params.bad_words)
-                                     or params.structured_outputs is not None)
+        # bad_words (they read the output). Structured outputs do not: a step with a grammar row launches its
+        # forward and defers its sampling until the matcher has the last token (engine/structured_output.py).
+        self.needs_output_history = params.has_penalties or params.min_tokens > 0 or bool(params.bad_words)
 
     @property
     def num_prompt_tokens(self) -> int:

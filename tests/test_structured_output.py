@@ -17,6 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from gpu_support import CUDA, GPU_REASON  # noqa: E402
 from pagednb import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagednb.request import RequestStatus  # noqa: E402
 from pagednb.engine.structured_output import (  # noqa: E402
     GrammarCache, choice_grammar, import_xgrammar, mask_disallowed)
 
@@ -177,12 +178,12 @@ def test_params_need_exactly_one_valid_field(kwargs, error):
         StructuredOutputsParams(**kwargs)
 
 
-def test_structured_requests_run_synchronous_steps(llm):
-    """A grammar's matcher takes each token before the next bitmask: like penalties, such a request needs its
-    output on the host before the next step is built (measured cheaper than deferring each step's sampling)."""
+def test_structured_requests_keep_asynchronous_scheduling(llm):
+    """Unlike penalties, a grammar does not need its request's output on the host before the next step is
+    built: the step launches its forward and its sampling waits for the matcher (engine/structured_output.py)."""
     req = llm.llm_engine.make_request(None, "Hi", SamplingParams(
         structured_outputs=StructuredOutputsParams(regex="a+")))
-    assert req.needs_output_history
+    assert not req.needs_output_history
 
 
 def test_compiled_grammars_are_cached(llm):
@@ -222,8 +223,8 @@ def test_bitmask_on_cpu_masks_exactly_what_the_grammar_forbids(llm):
     cache = GrammarCache(engine.tokenizer, engine.spec.vocab_size, sorted(engine.eos_token_ids))
     state = cache.new_state(StructuredOutputsParams(regex="ab+"))
     vocab = engine.spec.vocab_size
-    bitmask = torch.zeros(3, cache.bitmask_width, dtype=torch.int32)  # rows 0 and 2: set by fill_bitmask
-    cache.fill_bitmask(bitmask, [state], [1])
+    bitmask = cache.allocate_bitmask(3)  # every token allowed; fill_bitmask leaves rows 0 and 2 so
+    cache.fill_bitmask(bitmask, [state.matcher], [1])
     logits = torch.randn(3, vocab)
     masked = mask_disallowed(logits, bitmask)
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])  # other rows untouched
@@ -246,6 +247,30 @@ def test_missing_xgrammar_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason=GPU_REASON)
+def test_reused_pinned_bitmask_allows_everything_in_rows_without_a_live_grammar(llm):
+    """On a GPU the host bitmask is one pinned buffer reused step after step: a row whose request has no grammar,
+    or finished since its step was launched, must allow every token whatever an earlier step left there."""
+    engine = llm.llm_engine
+    processors, device = engine.logits_processors, torch.device("cuda")
+    reqs = [engine.make_request(None, PROMPTS[i], SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="[0-9]+"))) for i in range(3)]
+    plain = engine.make_request(None, PROMPTS[0], SamplingParams())
+    for req in reqs:
+        processors.register(req)
+    first = processors.start_grammar_bitmask(reqs, [0, 1, 2], device, background=True)
+    assert (processors.finish_grammar_bitmask(first, device).cpu() != -1).any(dim=1).all()  # digits only
+    reqs[1].status = RequestStatus.FINISHED_ABORTED
+    second = processors.start_grammar_bitmask([reqs[0], reqs[1], plain, reqs[2]], [0, 1, 3], device, background=True)
+    rows = processors.finish_grammar_bitmask(second, device).cpu()
+    assert (rows[1] == -1).all() and (rows[2] == -1).all()
+    assert torch.equal(rows[0], rows[3]) and (rows[0] != -1).any()
+    for req in reqs:  # leave the shared engine as it was: finished requests are forgotten at the next advance
+        req.status = RequestStatus.FINISHED_ABORTED
+    processors.advance([])
+    assert not processors.has_grammars
+
+
+@pytest.mark.skipif(not CUDA, reason=GPU_REASON)
 def test_bitmask_on_cuda_matches_cpu_for_a_greedy_batch(llm):
     """The sampler's bitmask path on the GPU picks the same greedy tokens as on the CPU."""
     from pagednb.engine.sampler import Sampler, SamplingMetadata
@@ -256,7 +281,7 @@ def test_bitmask_on_cuda_matches_cpu_for_a_greedy_batch(llm):
              StructuredOutputsParams(choice=["yes", "no"])]
     rows = list(range(0, 64, 2))
     bitmask = cache.allocate_bitmask(64)
-    cache.fill_bitmask(bitmask, [cache.new_state(specs[j % 3]) for j in range(len(rows))], rows)
+    cache.fill_bitmask(bitmask, [cache.new_state(specs[j % 3]).matcher for j in range(len(rows))], rows)
     logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0))
     tokens = {}
     for device in ("cpu", "cuda"):
@@ -317,10 +342,11 @@ def _mixed_batch():
 
 def _run_stepwise(llm, prompts, params):
     """Adds the requests one step apart (joining while others decode, a step in flight) and steps to the
-    end; returns {request id: final CompletionOutput} and how many steps with a grammar row were launched
-    while an older step was still in flight (overlapped)."""
+    end; returns {request id: final CompletionOutput}, how many steps with a grammar row were launched while
+    an older step was still in flight (overlapped), and how many bitmasks were filled on the grammar thread."""
     engine, overlapped = llm.llm_engine, []
     launch = engine.runner.launch
+    background = []
 
     def counting_launch(sched):
         grammar = any(s.request.sampling_params.structured_outputs is not None for s in sched.scheduled)
@@ -331,33 +357,38 @@ def _run_stepwise(llm, prompts, params):
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{i}", prompt, p)
+            if i == 0:  # the grammar cache exists once a structured request was prepared
+                cache = engine.logits_processors.grammars
+                fill_in_background = cache.fill_in_background
+                cache.fill_in_background = lambda *args: background.append(1) or fill_in_background(*args)
             finals.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
         while engine.has_unfinished_requests():
             finals.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
     finally:
         engine.runner.launch = launch
     engine.check_integrity()
-    return finals, sum(overlapped)
+    return finals, sum(overlapped), len(background)
 
 
 def _completion(c):
     return c.token_ids, c.text, c.finish_reason, [lp and sorted(lp.items()) for lp in c.logprobs or []]
 
 
-def test_an_asynchronous_engine_runs_grammar_steps_synchronously_with_the_same_tokens():
-    """On an asynchronous engine a step with a grammar row is launched only once the previous step's tokens
-    reached the matchers: outputs identical to the synchronous engine's, every JSON output valid, and the
-    engine overlaps steps again once the grammar requests are gone."""
+def test_an_asynchronous_engine_overlaps_grammar_steps_with_the_same_tokens():
+    """On an asynchronous engine a step with grammar rows is launched while the previous step is in flight;
+    its sampling waits until the matchers took that step's tokens, its bitmask filled on the grammar thread:
+    outputs identical to the synchronous engine's (greedy, seeded and logprob rows beside), every JSON output
+    valid, nothing left behind."""
     prompts, params = _mixed_batch()
     runs = {}
     for async_scheduling in (False, True):
         with LLM(async_scheduling=async_scheduling) as llm:
             runs[async_scheduling] = _run_stepwise(llm, prompts, params)
-            assert not llm.llm_engine.needs_sync
             assert not llm.llm_engine.logits_processors.has_grammars  # finished requests forgotten
             assert llm.stats()["used_blocks"] == 0
-    (sync, sync_overlapped), (overlapped, async_overlapped) = runs[False], runs[True]
-    assert sync_overlapped == async_overlapped == 0
+    (sync, sync_overlapped, sync_background), (overlapped, async_overlapped, async_background) = runs[False], runs[True]
+    assert sync_overlapped == sync_background == 0
+    assert async_overlapped > 10 and async_background > 10
     assert {k: _completion(c) for k, c in overlapped.items()} == {k: _completion(c) for k, c in sync.items()}
     for i, p in enumerate(params):
         spec = p.structured_outputs

@@ -89,6 +89,7 @@ class TensorParallelRunner(ModelRunner):
     def collect(self, launched: LaunchedStep) -> tuple[list[int], object]:
         """As ModelRunner.collect, waiting for the GPU in short polls that also look at the workers: a
         worker that died mid-step leaves this rank's collective, and so the step, unfinished for ever."""
+        self.finish_sampling(launched)
         if launched.ready is not None:
             while not launched.ready.query():
                 self.workers.check_alive()

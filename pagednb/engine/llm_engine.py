@@ -256,7 +256,7 @@ class LLMEngine:
     @property
     def needs_sync(self) -> bool:
         """Whether the next step runs synchronously: a running request's sampling reads its output so
-        far (penalties, min_tokens, bad_words, a grammar's matcher), so it needs the last token first, or
+        far (penalties, min_tokens, bad_words), so it needs the last token first, or
         speculative decoding may draft (few requests run: drafts are proposed from every token so far).
         Tells why steps don't overlap."""
         running = self.scheduler.running
@@ -290,6 +290,8 @@ class LLMEngine:
                 continue
             self._in_flight.popleft()  # after the wait: an interrupted wait leaves the step to finish later
             outputs += self._process(sched, token_ids, sampler_output)
+            if len(self._in_flight) == 1:  # the matchers have every token before the newest step now
+                self.runner.start_grammar_fill(self._in_flight[0][1])
         return outputs
 
     def _process(self, sched, token_ids: list[int], sampler_output) -> list[RequestOutput]:
@@ -470,6 +472,7 @@ class LLMEngine:
             self.runner.release_kv_cache()
             live_engines.unregister(self)
             self.runner.model = None
+            self.logits_processors.close()
             self.closed = True
         gc.collect()  # the model's modules may sit in reference cycles
         if self.device.type == "cuda":

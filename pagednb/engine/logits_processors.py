@@ -6,9 +6,8 @@ Three stages, each where its data is:
   the result lives on the request (`Request.logits_state`).
 - each step, on the host while the device runs the forward: `build` gives one `LogitsAdjustments` of
   flat positions and values for the sampled rows (None when no row uses any, so the sampler's plain
-  paths stay as they are); `grammar_bitmask` fills the grammar rows right before the step's sampling
-  (a request with a grammar runs synchronous steps: its matcher has the last token by then; see
-  engine/structured_output.py).
+  paths stay as they are); a step with grammar rows defers its sampling until `start_grammar_bitmask`
+  has filled them, after the matchers took the previous step's tokens (engine/structured_output.py).
 - on the device, in the sampler: the grammar bitmask first (in the model's dtype, one kernel), then
   `apply_logits_adjustments` (float32): allowed ids, bad words, bias, in vLLM's order (all before
   penalties; logprobs stay those of the raw logits, vLLM's default).
@@ -22,12 +21,14 @@ like penalties it needs each token on the host before the next step (Request.nee
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagednb.engine.pinned_stager import PinnedStager
-from pagednb.engine.structured_output import GrammarCache, StructuredState
+from pagednb.engine.structured_output import ALL_ALLOWED, GrammarCache, StructuredState
 from pagednb.request import Request
 
 
@@ -37,6 +38,14 @@ class RequestLogitsState:
 
     bad_words_token_ids: list[list[int]]
     structured: StructuredState | None
+
+
+@dataclass
+class PendingBitmask:
+    """A step's grammar bitmask on the host, being filled on the grammar thread when `fill` is set."""
+
+    host: torch.Tensor
+    fill: Future | None
 
 
 @dataclass
@@ -121,7 +130,7 @@ class LogitsProcessors:
     def build(self, reqs: list[Request], vocab_size: int, device: torch.device,
               stager: PinnedStager | None = None) -> LogitsAdjustments | None:
         """The step's allowed ids, bad words and biases for the sampled rows `reqs` (grammars: see
-        grammar_bitmask)."""
+        start_grammar_bitmask)."""
         allowed_rows, allowed_pos, banned, bias_pos, bias_val = [], [], [], [], []
         for i, req in enumerate(reqs):
             params, state = req.sampling_params, req.logits_state
@@ -147,29 +156,46 @@ class LogitsProcessors:
             bias_values=floats(bias_val) if bias_pos else None,
         )
 
-    def grammar_bitmask(self, reqs: list[Request], device: torch.device) -> torch.Tensor | None:
-        """[len(reqs), ceil(V / 32)] int32 on device: row i = what reqs[i]'s grammar allows next, all
-        allowed for rows without one; None when no row has a grammar. Filled on the host (xgrammar's batched
-        fill, one thread) in pinned memory on a GPU, so the copy is queued without waiting."""
-        rows, states = [], []
-        for i, req in enumerate(reqs):
-            state = req.logits_state
-            if state is not None and state.structured is not None and not req.is_finished:
-                rows.append(i)
-                states.append(state.structured)
-        if not rows:
-            return None
-        bitmask = self._host_bitmask(len(reqs), device)
-        self.grammars.fill_bitmask(bitmask, states, rows)
+    def grammar_rows(self, reqs: list[Request]) -> list[int]:
+        """The rows of the sampled `reqs` whose request has a grammar (that step's sampling waits for them)."""
+        if not self._structured:
+            return []
+        return [i for i, req in enumerate(reqs) if req.request_id in self._structured]
+
+    def start_grammar_bitmask(self, reqs: list[Request], rows: list[int], device: torch.device,
+                              background: bool) -> PendingBitmask:
+        """Starts the [len(reqs), ceil(V / 32)] int32 bitmask of a step: row i = what reqs[i]'s grammar allows
+        next, every token for the other rows and for requests finished since the step was launched. Called once
+        the matchers have every earlier token; filled on the grammar thread when `background` (xgrammar's
+        batched fill), here otherwise; in pinned memory on a GPU, so its copy is queued without waiting."""
+        live = [i for i in rows if not reqs[i].is_finished]
+        host = self._host_bitmask(len(reqs), device)
+        if len(live) < len(reqs):
+            everything = np.ones(len(reqs), dtype=bool)
+            everything[live] = False
+            host.numpy()[everything] = ALL_ALLOWED
+        matchers = [reqs[i].logits_state.structured.matcher for i in live]
+        if not live:
+            return PendingBitmask(host, None)
+        if background:
+            return PendingBitmask(host, self.grammars.fill_in_background(host, matchers, live))
+        self.grammars.fill_bitmask(host, matchers, live)
+        return PendingBitmask(host, None)
+
+    def finish_grammar_bitmask(self, pending: PendingBitmask, device: torch.device) -> torch.Tensor:
+        """The started bitmask on device, once filled (a failed fill raises here)."""
+        if pending.fill is not None:
+            pending.fill.result()
         if device.type != "cuda":
-            return bitmask
-        on_device = bitmask.to(device, non_blocking=True)
+            return pending.host
+        on_device = pending.host.to(device, non_blocking=True)
         self._copied.record()
         return on_device
 
     def _host_bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
-        """Host rows to fill: pinned and reused on a GPU (after its previous copy is done; steps with a
-        grammar are synchronous, so this never waits in practice), fresh on the CPU (the sampler reads it)."""
+        """Host rows to fill: pinned and reused on a GPU (after its previous copy is done: queued before the
+        previous step's sampling, whose tokens the matchers have by now, so this never waits in practice),
+        fresh on the CPU (the sampler reads it)."""
         if device.type != "cuda":
             return self.grammars.allocate_bitmask(num_rows)
         if self._pinned is None or self._pinned.shape[0] < num_rows:
@@ -178,6 +204,10 @@ class LogitsProcessors:
             self._copied = torch.cuda.Event()  # (an event never recorded: synchronize returns at once)
         self._copied.synchronize()
         return self._pinned[:num_rows]
+
+    def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
 
     def advance(self, progressed: list[Request]) -> tuple[list[Request], list[Request]]:
         """Feeds each progressed grammar request its new token; returns (rejected, terminated) among the

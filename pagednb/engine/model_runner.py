@@ -22,13 +22,27 @@ from pagednb.attention.backend import AttentionMetadata
 from pagednb.engine.block_table import BlockTable
 from pagednb.engine.cuda_graphs import DecodeGraphs
 from pagednb.engine.kv_cache_groups import plan_kv_cache_layout
-from pagednb.engine.logits_processors import LogitsProcessors
+from pagednb.engine.logits_processors import LogitsProcessors, PendingBitmask
 from pagednb.engine.logprobs import compute_prompt_logprobs
 from pagednb.engine.sampler import PinnedStager, Sampler, SamplerOutput, SamplingMetadata
 from pagednb.engine.scheduler import SchedulerOutput
 from pagednb.engine.spec_decode.verify_rows import split_verify_rows
 from pagednb.engine.step_buffers import StepBuffers, StepViews
 from pagednb.request import Request
+
+
+@dataclass
+class DeferredSampling:
+    """What a launched step's sampling needs once its grammar rows' bitmask is filled (structured output:
+    the matchers first take the previous step's tokens, which with asynchronous scheduling reach the host
+    only after this step's forward was launched)."""
+
+    logits: torch.Tensor
+    sampling: SamplingMetadata
+    reqs: list[Request]  # the sampled rows' requests
+    grammar_rows: list[int]
+    prompt_logprobs: object
+    bitmask: PendingBitmask | None = None  # started once the matchers are up to date
 
 
 @dataclass
@@ -43,6 +57,8 @@ class LaunchedStep:
     sampler_output: SamplerOutput | None
     host_token_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    deferred: DeferredSampling | None = None  # set while its sampling waits for grammar rows
+    error: Exception | None = None  # its deferred sampling failed: collecting it raises this
 
     @property
     def token_ids(self) -> torch.Tensor | None:
@@ -92,6 +108,7 @@ class ModelRunner:
         self.tensor_parallel = None  # the ranks this runner's model is a shard of (distributed/), None on one device
         # the last launch's sampled tokens (device) and each sampling request's index among them
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._deferred: LaunchedStep | None = None  # the launched step whose sampling waits (DeferredSampling)
         # pinned landing places of the sampled tokens, one per step that may be in flight (+1 spare)
         on_gpu = device.type == "cuda"
         self._host_tokens = [torch.empty(max_rows, dtype=torch.int64, pin_memory=on_gpu) for _ in range(3)]
@@ -167,6 +184,7 @@ class ModelRunner:
         are copied from that launch's device tensor.
         """
         self.stager.next_step()
+        self._sample_deferred()  # the previous step's, before this step's inputs read its tokens
         graph_size = self.graphs.size_for(sched) if self.graphs is not None else None
         prompt_logprobs = None  # (a step with prompt rows is never a decode-only graph step)
         if graph_size is not None:
@@ -188,16 +206,25 @@ class ModelRunner:
             [r.prompt_token_ids for r in sampled_reqs], [r.output_token_ids for r in sampled_reqs],
             vocab_size=logits.shape[-1], device=self.device, eos_token_ids=self.eos_token_ids,
             generator=self.generator, stager=self.stager)
-        if self.logits_processors is not None and self.logits_processors.active:
-            sampling.adjustments = self.logits_processors.build(sampled_reqs, logits.shape[-1], self.device,
-                                                                self.stager)
-        if self.logits_processors is not None and self.logits_processors.has_grammars:
-            # (the previous step's tokens reached the matchers: grammar requests run synchronous steps)
-            sampling.grammar_bitmask = self.logits_processors.grammar_bitmask(sampled_reqs, self.device)
+        processors = self.logits_processors
+        if processors is not None and processors.active:
+            sampling.adjustments = processors.build(sampled_reqs, logits.shape[-1], self.device, self.stager)
+        launched = LaunchedStep(None)
+        grammar_rows = processors.grammar_rows(sampled_reqs) if processors is not None else []
+        if grammar_rows:  # sampled at the next launch or collect, once the matchers caught up
+            launched.deferred = DeferredSampling(logits, sampling, sampled_reqs, grammar_rows, prompt_logprobs)
+            self._deferred = launched
+        else:
+            self._sample(launched, logits, sampling, sampled_reqs, prompt_logprobs)
+        return launched
+
+    def _sample(self, launched: LaunchedStep, logits: torch.Tensor, sampling: SamplingMetadata,
+                sampled_reqs: list[Request], prompt_logprobs) -> None:
+        """Queues the sampler and the copy of its tokens to the host behind the step's forward."""
         result = self.sampler(logits, sampling)
         result.prompt_logprobs = prompt_logprobs
         self._last_sampled = (result.token_ids, {r.request_id: i for i, r in enumerate(sampled_reqs)})
-        launched = LaunchedStep(result)
+        launched.sampler_output = result
         if self.device.type == "cuda":
             slot = self._token_slot = (self._token_slot + 1) % len(self._host_tokens)
             host, ready = self._host_tokens[slot], self._tokens_ready[slot]
@@ -206,11 +233,47 @@ class ModelRunner:
             launched.host_token_ids.copy_(result.token_ids, non_blocking=True)
             ready.record()
             launched.ready = ready
-        return launched
+
+    def start_grammar_fill(self, launched: LaunchedStep) -> None:
+        """Called once the matchers have every token sampled before `launched` (the engine processed the steps
+        before it): its grammar rows start filling on the grammar thread while the host goes on."""
+        deferred = launched.deferred
+        if deferred is not None and deferred.bitmask is None:
+            deferred.bitmask = self.logits_processors.start_grammar_bitmask(
+                deferred.reqs, deferred.grammar_rows, self.device, background=True)
+
+    def finish_sampling(self, launched: LaunchedStep) -> None:
+        """Queues `launched`'s deferred sampling now if it still waits (its tokens are about to be read)."""
+        if launched is self._deferred:
+            self._sample_deferred()
+
+    @torch.inference_mode()
+    def _sample_deferred(self) -> None:
+        """Queues the deferred step's sampling with its grammar bitmask (filled here if nothing started it).
+        A failure is kept for that step's collect, so its requests alone end with it; the next step's inputs
+        read placeholder tokens for its rows meanwhile."""
+        launched, self._deferred = self._deferred, None
+        if launched is None:
+            return
+        deferred, launched.deferred = launched.deferred, None
+        processors = self.logits_processors
+        try:
+            if deferred.bitmask is None:
+                deferred.bitmask = processors.start_grammar_bitmask(deferred.reqs, deferred.grammar_rows, self.device,
+                                                                    background=False)
+            deferred.sampling.grammar_bitmask = processors.finish_grammar_bitmask(deferred.bitmask, self.device)
+            self._sample(launched, deferred.logits, deferred.sampling, deferred.reqs, deferred.prompt_logprobs)
+        except Exception as error:
+            launched.error = error
+            placeholders = torch.zeros(len(deferred.reqs), dtype=torch.int64, device=self.device)
+            self._last_sampled = (placeholders, {r.request_id: i for i, r in enumerate(deferred.reqs)})
 
     def collect(self, launched: LaunchedStep) -> tuple[list[int], SamplerOutput | None]:
         """Waits for a launched step; its sampled tokens, one per sampling request in schedule order
         (INVALID_TOKEN_ID for a row the sampler flagged: the scheduler ends that request alone)."""
+        self.finish_sampling(launched)
+        if launched.error is not None:
+            raise launched.error
         if launched.token_ids is None:
             return [], None
         if launched.ready is None:

@@ -9,14 +9,14 @@ xgrammar (the grammar engine vLLM and SGLang use) does the grammar work; this mo
   "error"; EOS is in the bitmask only when the matcher can terminate (xgrammar's stop tokens are the
   model's EOS ids); the request finishes ("stop") once the matcher is terminated.
 
-The step: a matcher needs step N's token before it can fill its row of step N+1's bitmask, so a request with a
-grammar runs synchronous steps (Request.needs_output_history, as penalties do): N's tokens reach the matchers,
-then N+1 is launched and its rows are filled (xgrammar's batched C++ fill, one thread) while its forward runs,
-right before its sampling is queued. Measured at batch 64 on the H200 (benchmarks/structured_output.py):
-that costs 1.5% over a synchronous plain step, less than keeping the steps asynchronous and deferring each
-step's sampling until its matchers catch up did (the grammar work then lands on the host's critical path
-anyway, plus its hand-offs: benchmarks/NOTES.md, issue 16's fourth round).
-
+The step: a matcher needs step N's token before it can fill its row of step N+1's bitmask, yet with
+asynchronous scheduling N+1 is launched before N's tokens reach the host. So a step with grammar rows runs its
+forward at once and defers its sampling (engine/model_runner.py): once the engine has given the matchers N's
+tokens, the rows are filled on a grammar thread (xgrammar's batched C++ fill, which releases the GIL) while the
+engine thread builds N's outputs and schedules N+2; N+1's sampling is queued, with the mask, right before N+2's
+forward. The fill starts only once the thread is inside the C++ call (`fill_in_background`): a thread that merely
+waits for the GIL would get it only when the engine thread blocks, i.e. in series with it (measured at batch 64
+on the H200: +23.1% over plain steps that way; benchmarks/NOTES.md, issue 16's fourth and fifth rounds).
 On the device the bitmask is applied to the logits in the model's dtype by one kernel (`mask_disallowed`; in
 place unless the step's logprobs need the raw logits): no float32 copy just for the mask, and greedy rows take
 their argmax from it.
@@ -26,6 +26,8 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -37,7 +39,7 @@ from pagednb.sampling_params import StructuredOutputsParams
 # (vLLM leaves it unbounded; its users set disable_any_whitespace instead).
 MAX_WHITESPACE_RUN = 4
 _INSTALL_HINT = 'structured output needs xgrammar: pip install "pagednb[structured]"'
-_ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
+ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 
 
 def import_xgrammar():
@@ -85,6 +87,7 @@ class GrammarCache:
         # (benchmarks/structured_output.py)
         self._batch = xgr.BatchGrammarMatcher(1)
         self.stop_token_ids = frozenset(eos_token_ids)  # a matcher terminates only by accepting one of these
+        self._worker: ThreadPoolExecutor | None = None  # the grammar thread, started at the first background fill
 
     def new_state(self, params: StructuredOutputsParams) -> StructuredState:
         """A fresh matcher for `params`; a spec that does not compile raises ValueError naming its field."""
@@ -123,14 +126,31 @@ class GrammarCache:
         """[num_rows, ceil(V / 32)] int32 on the CPU, every bit set (all tokens allowed)."""
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, states: list[StructuredState], rows: list[int]) -> None:
-        """bitmask[rows[i]] = what states[i] allows next, every other row all-allowed; one batched xgrammar
-        call (C++, the GIL released) instead of one Python call per matcher."""
-        if len(rows) < bitmask.shape[0]:
-            plain = torch.ones(bitmask.shape[0], dtype=torch.bool)
-            plain[rows] = False
-            bitmask[plain] = _ALL_ALLOWED
-        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+    def fill_bitmask(self, bitmask: torch.Tensor, matchers: list, rows: list[int]) -> None:
+        """bitmask[rows[i]] = what matchers[i] allows next (other rows untouched): one batched xgrammar call
+        (C++, the GIL released) instead of one Python call per matcher."""
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+    def fill_in_background(self, bitmask: torch.Tensor, matchers: list, rows: list[int]) -> Future:
+        """fill_bitmask on the grammar thread; returns once that thread is in the call, so the fill runs beside
+        the caller's Python rather than after it (the caller holds the GIL until it blocks)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="pagednb-grammar")
+        started = threading.Event()
+        future = self._worker.submit(self._fill_once_started, started, bitmask, matchers, rows)
+        started.wait()  # blocks, so the GIL is free for the worker to reach the C++ fill
+        return future
+
+    def _fill_once_started(self, started: threading.Event, bitmask: torch.Tensor, matchers: list,
+                           rows: list[int]) -> None:
+        started.set()
+        self.fill_bitmask(bitmask, matchers, rows)
+
+    def close(self) -> None:
+        """Stops the grammar thread (it holds nothing else)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
 
 def mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor, in_place: bool = False) -> torch.Tensor:
