@@ -24,7 +24,7 @@ CATEGORIES = [
     ("MoE routing", ("moe_select", "moe_route")),
     ("MoE expert GEMMs", ("moe_gemm",)),
     ("MoE combine", ("moe_combine",)),
-    ("attention (decode rows)", ("row_attn", "group_mma_decode", "row_reduce")),
+    ("attention (decode rows)", ("row_attn", "group_mma_decode")),
     ("attention (prefill)", ("prefill_attn", "prefill_kernel")),
     ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "splitKreduce")),
     ("GEMV", ("gemv",)),

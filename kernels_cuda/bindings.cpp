@@ -109,7 +109,8 @@ extern "C" {
 // kv head then): rows = query rows it serves, range_max = the most tokens a row attends to, cache_fp8 = 1
 // for an fp8 cache. No split when the (row, kv head) CTAs already fill 3/4 of one wave of resident CTAs;
 // otherwise enough partitions (of >= 128 tokens) for about one full wave. A partition's CTA is latency-bound
-// (batch 1, context 512: 7.4 us for 256 tokens on an H200), and each partition costs the reduce one more read.
+// (batch 1, context 512: 7.4 us for 256 tokens on an H200), and each partition costs the merge one more read
+// (decode.cuh: the last partition to finish merges; partitions past a row's keys exit at once).
 int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int range_max, int num_sms,
                      int variant, int cache_fp8, int* P, int* part_size, int* head_groups) {
   if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || G <= 0 || Hkv <= 0) return -1;

@@ -8,8 +8,13 @@
 // together), so the main loop needs no shared memory and no barrier; slots are merged at the end
 // (shuffles inside a warp, shared memory across warps). Scores are kept in log2 units (q is
 // pre-scaled by scale * log2 e) and exponentiated with ex2.approx.
-// With P > 1 partitions, each CTA writes an unnormalised partial (o, m, l) and row_reduce_kernel
-// merges them.
+// With P > 1 partitions (the SPLIT instantiations), each CTA that has keys writes an unnormalised partial
+// (o, m, l) and counts itself done; the last of a (row, kv head [x head group]) merges the partials into
+// the output, so a split step is one launch (merge_partitions). Partitions past a row's keys (a short
+// sequence, a sliding window) exit at once and are not merged. The host picks SPLIT per launch (P > 1), so
+// a one-partition launch (every large batch) runs a kernel with no counter and no merge code: its
+// registers and spills are those of a kernel that never splits (a merge in the same kernel raised them and
+// cost batch 256 ~10%).
 // PIPE (16-bit types; the default): each thread streams its own K/V vectors through a private
 // shared-memory ring of S steps with cp.async, S - 1 steps ahead of the math, so loads stay in flight
 // while it computes; no barrier is needed since a thread only reads what it copied itself. Without
@@ -33,6 +38,7 @@ constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima
 // padding row past the last sequence, or a prefill row while only decode rows are served).
 struct RowKeys {
   int seq, t_begin, t_end;
+  int parts;  // the row's partitions that hold keys, the first `parts` (1: the CTA writes the output itself)
 };
 
 __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& k) {
@@ -45,15 +51,108 @@ __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& 
   const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
   k.t_begin = lo + blockIdx.z * p.part_size;
   k.t_end = min(pos + 1, k.t_begin + p.part_size);
+  k.parts = min(p.P, (pos + 1 - lo + p.part_size - 1) / p.part_size);
   return true;
+}
+
+// Split-K hand-off, after the CTA wrote its partial: true in the CTA that finished last among the row's
+// `parts` partitions of this (kv head [x head group]). As a grid-wide barrier does it: the CTA's barrier
+// orders every thread's partial writes before thread 0's release fence, which makes them visible device-wide
+// before it counts the CTA in p.part_count; the last one fences again (acquire: the others' partials, counted
+// before, are read after it) and resets the counter, so every launch leaves the array zero (allocated zeroed
+// once: CUDA graph replays need nothing else). fence.acq_rel is what a release / acquire pattern needs
+// (PTX ISA, memory consistency model); __threadfence() would be the heavier sequentially consistent fence.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
+__device__ __forceinline__ bool last_partition(const AttnParams& p, int row, int parts) {
+  __shared__ bool s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* count = p.part_count + (int64_t)row * gridDim.y + blockIdx.y;
+    fence_acq_rel_gpu();
+    s_last = atomicAdd(count, 1) == parts - 1;
+    if (s_last) {
+      fence_acq_rel_gpu();
+      *count = 0;  // no other CTA of this launch reads it again; the next launch comes after this one
+    }
+  }
+  __syncthreads();
+  return s_last;
+}
+
+// E consecutive floats through L2 (ld.global.cg: other SMs wrote them)
+template <int E>
+struct Floats {
+  float v[E];
+};
+template <int E>
+__device__ __forceinline__ Floats<E> ldcg_floats(const float* a) {
+  Floats<E> r;
+  if constexpr (E == 4) {
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(a));
+    r.v[0] = x.x; r.v[1] = x.y; r.v[2] = x.z; r.v[3] = x.w;
+  } else if constexpr (E == 2) {
+    const float2 x = __ldcg(reinterpret_cast<const float2*>(a));
+    r.v[0] = x.x; r.v[1] = x.y;
+  } else {
+    r.v[0] = __ldcg(a);
+  }
+  return r;
+}
+
+// The last CTA's merge of the `parts` partials of heads h0 .. h0 + ng - 1 (ng <= ROWS) of `row` into the
+// output, in partition order with the arithmetic a separate reduce kernel used (the empty partitions it
+// also read added exact zeros). E consecutive elements of a head per thread, as many as let the CTA's
+// heads take one pass (at most 4); the first J partials are loaded at once, so a merge of up to J waits
+// on L2 once. That holds J * (E + 2) registers, so J is 4 with E = 4 and under LEAN (the soft-capped
+// instantiations, whose loops hold the most: 8 would cost the fp8 ones a CTA per SM; ptxas -v), else 8.
+template <typename T, int D, int ROWS, int NT, bool LEAN>
+__device__ __forceinline__ void merge_partitions(const AttnParams& p, int ng, int h0, int row, int parts) {
+  constexpr int E = ROWS * D >= 4 * NT ? 4 : ROWS * D >= 2 * NT ? 2 : 1;
+  constexpr int J = LEAN || E == 4 ? 4 : 8;
+  constexpr int VE = D / E;
+  static_assert(D % E == 0, "head_dim");
+  for (int idx = threadIdx.x; idx < ng * VE; idx += NT) {
+    const int g = idx / VE, d = (idx % VE) * E;
+    const int64_t base = ((int64_t)row * p.H + h0 + g) * p.P;
+    const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + base;
+    const float* po = p.part_o + base * D + d;
+    float2 mj[J];
+    Floats<E> oj[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+      if (j < parts) { mj[j] = __ldcg(ml + j); oj[j] = ldcg_floats<E>(po + j * D); }
+    float M = kNegBig;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+      if (j < parts) M = fmaxf(M, mj[j].x);
+    for (int j = J; j < parts; ++j) M = fmaxf(M, __ldcg(ml + j).x);
+    float L = 0.f, O[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) O[e] = 0.f;
+    auto add = [&](float2 m, const Floats<E>& o) {
+      const float f = fast_exp2(m.x - M);
+      L += m.y * f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) O[e] += o.v[e] * f;
+    };
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+      if (j < parts) add(mj[j], oj[j]);
+    for (int j = J; j < parts; ++j) add(__ldcg(ml + j), ldcg_floats<E>(po + j * D));
+    T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h0 + g) * D + d;
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = Elem<T>::from_float(O[e] / L * p.v_scale);
+  }
 }
 
 // Merges the NW warps' partial results for the CTA's `ng` query heads h0.. of `row`, left in shared
 // memory as o [NW][ROWS][D] and m, l [NW][ROWS] (unnormalised, maxima in log2 units): the normalised
-// output when P == 1, else partition blockIdx.z's partial (o, m, l) for row_reduce_kernel.
-template <typename T, int D, int NW, int ROWS, int NT>
+// output without SPLIT or when the row has one partition with keys, else partition blockIdx.z's partial
+// (o, m, l), merged by the last partition to finish (LEAN: see merge_partitions).
+template <typename T, int D, int NW, int ROWS, int NT, bool SPLIT, bool LEAN>
 __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const float* s_o, const float* s_m,
-                                                      const float* s_l, int ng, int h0, int row) {
+                                                      const float* s_l, int ng, int h0, int row, int parts) {
   for (int idx = threadIdx.x; idx < ng * D; idx += NT) {
     const int g = idx / D, d = idx % D;
     float M = s_m[g];
@@ -67,7 +166,9 @@ __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const
       O += s_o[(w * ROWS + g) * D + d] * f;
     }
     const int h = h0 + g;
-    if (p.P == 1) {
+    // without SPLIT, P is 1; tested at run time all the same: with a constant ptxas allocates 9 of the 146 bf16
+    // one-partition kernels differently (2 spill), this way all are as before SPLIT existed (ptxas -v)
+    if (SPLIT ? parts == 1 : p.P == 1) {
       T* out = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
       out[d] = Elem<T>::from_float(O / L * p.v_scale);
     } else {
@@ -76,6 +177,8 @@ __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const
       if (d == 0) { p.part_ml[2 * pi] = M; p.part_ml[2 * pi + 1] = L; }
     }
   }
+  if constexpr (SPLIT)
+    if (parts > 1 && last_partition(p, row, parts)) merge_partitions<T, D, ROWS, NT, LEAN>(p, ng, h0, row, parts);
 }
 
 template <typename KV, int D, int GMAX>  // KV: the cache's element type
@@ -103,10 +206,45 @@ __device__ __forceinline__ void ldg_floats(const T* src, float* f) {
   for (int i = 0; i < VEC / Elem<T>::kVec; ++i) Elem<T>::unpack(ldg16(src + i * Elem<T>::kVec), f + i * Elem<T>::kVec);
 }
 
-// T: the query's type; KV: the cache's (T, or Fp8E4M3). CAP: Gemma 2's soft-capping
-template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP = false>
+constexpr int kPrefetchBytes = 64 << 10;  // K/V bytes a SPLIT CTA prefetches into L2 before its wait (see below)
+
+// The SPLIT kernels' entry (both decode kernels). With P > 1 (small batches) a CTA's time is a chain of
+// dependent loads (the row's sequence, its block table, then K/V from DRAM a few ring steps at a time), so
+// they start before pdl_wait(), overlapping the kernel before: the row's keys are looked up and the CTA's
+// first kPrefetchBytes of K/V (a whole 128-token partition at head_dim 128) are prefetched into L2, where
+// the copies after the wait find them. Allowed before the wait (common.cuh's rule 1): the metadata comes
+// from host copies and non-PDL torch kernels, all complete before the step's first PDL kernel starts; a
+// prefetch returns no value (L2 is the point of coherence), so the token the kernel before writes is read
+// after the wait as ever. False: nothing to do in this CTA (no row, or a partition past its keys), returned
+// after the wait as every CTA must.
+template <typename KV, int D, int NT>
+__device__ __forceinline__ bool split_entry(const AttnParams& p, int kvh, RowKeys& keys) {
+  pdl_launch_dependents();
+  const bool work = row_keys(p, blockIdx.x, keys) && blockIdx.z < keys.parts;
+  if (work) {
+    constexpr int kRowBytes = D * (int)sizeof(KV);           // one token's K (or V) of one kv head
+    constexpr int kLines = kRowBytes > 128 ? kRowBytes / 128 : 1;
+    const int tokens = min(keys.t_end - keys.t_begin, kPrefetchBytes / (2 * kRowBytes));
+    const int* bt = p.block_tables + (int64_t)keys.seq * p.bt_stride;
+    const char* kbase = static_cast<const char*>(p.cache) + (int64_t)kvh * kRowBytes;
+    const int64_t token_bytes = (int64_t)p.Hkv * kRowBytes, v_bytes = p.v_offset * (int64_t)sizeof(KV);
+    const int bs_mask = (1 << p.bs_log2) - 1;
+    for (int i = threadIdx.x; i < tokens * kLines; i += NT) {
+      const int t = keys.t_begin + i / kLines;
+      const int blk = __ldg(bt + (t >> p.bs_log2));
+      const char* k = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * token_bytes + (i % kLines) * 128;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(k));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(k + v_bytes));
+    }
+  }
+  pdl_wait();
+  return work;
+}
+
+// T: the query's type; KV: the cache's (T, or Fp8E4M3). CAP: Gemma 2's soft-capping. SPLIT: P > 1
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP = false, bool SPLIT = false>
 __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
-  PAGEDNB_PDL_ENTER();
+  if constexpr (!SPLIT) PAGEDNB_PDL_ENTER();
   using C = RowCfg<KV, D, GMAX>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U, S = C::S;
   constexpr int NT = C::NT;
@@ -114,7 +252,11 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
 
   const int row = blockIdx.x;
   RowKeys keys;
-  if (!row_keys(p, row, keys)) return;
+  if constexpr (SPLIT) {
+    if (!split_entry<KV, D, NT>(p, blockIdx.y / p.head_groups, keys)) return;
+  } else {
+    if (!row_keys(p, row, keys)) return;
+  }
   const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
   const int kvh = blockIdx.y / p.head_groups;
@@ -316,30 +458,8 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
     }
   }
   __syncthreads();
-  merge_warps_and_store<T, D, NW, GMAX, NT>(p, &s_acc[0][0][0], &s_m[0][0], &s_l[0][0], ng, h0, row);
-}
-
-// Merges the P partials of each (row, head): one thread per output element of the head.
-template <typename T>
-__global__ void row_reduce_kernel(const AttnParams p, int D) {
-  PAGEDNB_PDL_ENTER();
-  const int row = blockIdx.x, h = blockIdx.y;
-  const int s = find_seq(p.qsl, p.num_seqs, row);
-  if (s < 0) return;
-  if (p.decode_only && __ldg(p.qsl + s + 1) - __ldg(p.qsl + s) != 1) return;
-  const int64_t base = ((int64_t)row * p.H + h) * p.P;
-  const float* ml = p.part_ml + 2 * base;
-  float M = kNegBig;
-  for (int j = 0; j < p.P; ++j) M = fmaxf(M, ml[2 * j]);
-  float L = 0.f, O = 0.f;
-  const int d = threadIdx.x;
-  for (int j = 0; j < p.P; ++j) {
-    const float f = fast_exp2(ml[2 * j] - M);
-    L += ml[2 * j + 1] * f;
-    O += p.part_o[(base + j) * D + d] * f;
-  }
-  T* o = reinterpret_cast<T*>(p.out) + ((int64_t)row * p.H + h) * D;
-  o[d] = Elem<T>::from_float(O / L * p.v_scale);
+  merge_warps_and_store<T, D, NW, GMAX, NT, SPLIT, CAP>(p, &s_acc[0][0][0], &s_m[0][0], &s_l[0][0], ng, h0, row,
+                                                        keys.parts);
 }
 
 // The pipelined variant for 16-bit types unless variant 0 is asked for; float32 never (its ring would
@@ -347,25 +467,31 @@ __global__ void row_reduce_kernel(const AttnParams p, int D) {
 template <typename T>
 constexpr bool pipe_ok() { return sizeof(T) == 2; }
 
-template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP>
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP, bool SPLIT>
 int launch_row_variant(const AttnParams& p, cudaStream_t st) {
   using C = RowCfg<KV, D, GMAX>;
   constexpr int smem = C::smem(PIPE);
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP>,
+    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP, SPLIT>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
   const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
-  return launch_pdl(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP>, grid, dim3(C::NT), smem, st, p);
+  return launch_pdl(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP, SPLIT>, grid, dim3(C::NT), smem, st, p);
+}
+
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP>
+int launch_row_split(const AttnParams& p, cudaStream_t st) {
+  return p.P > 1 ? launch_row_variant<T, KV, D, GMAX, PIPE, CAP, true>(p, st)
+                 : launch_row_variant<T, KV, D, GMAX, PIPE, CAP, false>(p, st);
 }
 
 template <typename T, typename KV, int D, int GMAX, bool PIPE>
 int launch_row_kernel(const AttnParams& p, cudaStream_t st) {
-  return p.softcap_log2 > 0.f ? launch_row_variant<T, KV, D, GMAX, PIPE, true>(p, st)
-                              : launch_row_variant<T, KV, D, GMAX, PIPE, false>(p, st);
+  return p.softcap_log2 > 0.f ? launch_row_split<T, KV, D, GMAX, PIPE, true>(p, st)
+                              : launch_row_split<T, KV, D, GMAX, PIPE, false>(p, st);
 }
 
 template <typename T, typename KV, int D, int GMAX>
@@ -379,17 +505,14 @@ int launch_row_kv(const AttnParams& p, cudaStream_t st) {
 
 template <typename T, int D, int GMAX>
 int launch_row_t(const AttnParams& p, cudaStream_t st) {
-  int e;
   if constexpr (pipe_ok<T>()) {
     if constexpr (GMAX <= 4)  // an fp8 cache's CTAs take at most 4 heads (row_gmax)
-      e = p.cache_fp8 ? launch_row_kv<T, Fp8E4M3, D, GMAX>(p, st) : launch_row_kv<T, T, D, GMAX>(p, st);
+      return p.cache_fp8 ? launch_row_kv<T, Fp8E4M3, D, GMAX>(p, st) : launch_row_kv<T, T, D, GMAX>(p, st);
     else
-      e = p.cache_fp8 ? -1 : launch_row_kv<T, T, D, GMAX>(p, st);
+      return p.cache_fp8 ? -1 : launch_row_kv<T, T, D, GMAX>(p, st);
   } else {
-    e = launch_row_kv<T, T, D, GMAX>(p, st);  // float32 models keep a float32 cache
+    return launch_row_kv<T, T, D, GMAX>(p, st);  // float32 models keep a float32 cache
   }
-  if (e != 0) return e;
-  return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
 }
 
 template <typename T, typename KV, int D, int GMAX>
@@ -414,7 +537,7 @@ int occupancy_t(int variant, int cache_fp8) {
 
 }  // namespace pagednb
 
-#include "decode_group_mma.cuh"  // the tensor-core kernel for large groups (uses kNegBig, row_reduce_kernel)
+#include "decode_group_mma.cuh"  // the tensor-core kernel for large groups (uses kNegBig, merge_warps_and_store)
 
 namespace pagednb {
 

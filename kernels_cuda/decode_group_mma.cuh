@@ -16,15 +16,15 @@
 // partition's end, in log2 units (scale * log2 e applied in float32), online softmax per warp row
 // (a quad of lanes holds one row), P rounded to the input type as the A operand of P V (V by
 // ldmatrix.trans), as the prefill kernel and FlashAttention do. The warps' (o, m, l) are merged in
-// shared memory at the end; with P > 1 partitions the unnormalised partials go to row_reduce_kernel
-// in the row kernel's layout.
+// shared memory at the end; with P > 1 partitions (SPLIT, chosen per launch as in the row kernel) the last
+// partition to finish merges the unnormalised partials as the row kernel does (merge_warps_and_store).
 // An fp8 cache (KV = Fp8E4M3): the ring holds the fp8 tiles (16 values per cp.async); once a tile has
 // landed, each lane converts the chunks it copied itself into a per-warp 16-bit tile of the layout above
 // (exact), which ldmatrix then reads as before. Per element that is far fewer instructions than the row
 // kernel's G multiply-adds, so with fp8's halved bytes the kernel stays bandwidth-bound where the row
-// kernel would not. k_scale is folded into the score scale, v_scale into the output (merge / reduce).
-// Included by decode.cuh after the row kernel, whose row_keys, merge_warps_and_store, kNegBig and
-// row_reduce_kernel it shares.
+// kernel would not. k_scale is folded into the score scale, v_scale into the output (the merges).
+// Included by decode.cuh after the row kernel, whose row_keys, split_entry, merge_warps_and_store and kNegBig it
+// shares.
 #pragma once
 
 #include <type_traits>
@@ -52,9 +52,10 @@ struct GroupMmaCfg {
   static_assert((BN * CPR) % 32 == 0 && CPL >= 1, "copy shape");
 };
 
-template <typename T, typename KV, int D, bool CAP = false>  // KV: the cache's type; CAP: Gemma 2's soft-capping
+// KV: the cache's type; CAP: Gemma 2's soft-capping; SPLIT: P > 1
+template <typename T, typename KV, int D, bool CAP = false, bool SPLIT = false>
 __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams p) {
-  PAGEDNB_PDL_ENTER();
+  if constexpr (!SPLIT) PAGEDNB_PDL_ENTER();
   constexpr bool FP8 = std::is_same<KV, Fp8E4M3>::value;
   using C = GroupMmaCfg<D, FP8>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL, VEC = C::VEC;
@@ -63,7 +64,11 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 
   const int row = blockIdx.x;
   RowKeys keys;
-  if (!row_keys(p, row, keys)) return;
+  if constexpr (SPLIT) {
+    if (!split_entry<KV, D, C::NT>(p, blockIdx.y, keys)) return;
+  } else {
+    if (!row_keys(p, row, keys)) return;
+  }
   const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
   const int kvh = blockIdx.y;
@@ -233,30 +238,36 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
     }
   }
   __syncthreads();
-  merge_warps_and_store<T, D, NW, 16, C::NT>(p, s_o, s_m, s_l, G, h0, row);
+  merge_warps_and_store<T, D, NW, 16, C::NT, SPLIT, CAP>(p, s_o, s_m, s_l, G, h0, row, keys.parts);
 }
 
 // Allows the kernel its dynamic shared memory (over the 48 KiB default); once per instantiation.
-template <typename T, typename KV, int D, bool CAP>
+template <typename T, typename KV, int D, bool CAP, bool SPLIT = false>
 cudaError_t configure_group_mma() {
   using C = GroupMmaCfg<D, std::is_same<KV, Fp8E4M3>::value>;
-  static const cudaError_t e = cudaFuncSetAttribute(group_mma_decode_kernel<T, KV, D, CAP>,
+  static const cudaError_t e = cudaFuncSetAttribute(group_mma_decode_kernel<T, KV, D, CAP, SPLIT>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
   return e;
 }
 
+template <typename T, typename KV, int D, bool CAP, bool SPLIT>
+int launch_group_mma_variant(const AttnParams& p, cudaStream_t st) {
+  using C = GroupMmaCfg<D, std::is_same<KV, Fp8E4M3>::value>;
+  if (const cudaError_t e = configure_group_mma<T, KV, D, CAP, SPLIT>(); e != cudaSuccess) return (int)e;
+  const dim3 grid(p.num_rows, p.Hkv, p.P);
+  return launch_pdl(group_mma_decode_kernel<T, KV, D, CAP, SPLIT>, grid, dim3(C::NT), C::SMEM, st, p);
+}
+
+template <typename T, typename KV, int D, bool CAP>
+int launch_group_mma_split(const AttnParams& p, cudaStream_t st) {
+  return p.P > 1 ? launch_group_mma_variant<T, KV, D, CAP, true>(p, st)
+                 : launch_group_mma_variant<T, KV, D, CAP, false>(p, st);
+}
+
 template <typename T, typename KV, int D>
 int launch_group_mma(const AttnParams& p, cudaStream_t st) {
-  using C = GroupMmaCfg<D, std::is_same<KV, Fp8E4M3>::value>;
-  const bool cap = p.softcap_log2 > 0.f;
-  if (const cudaError_t e = cap ? configure_group_mma<T, KV, D, true>() : configure_group_mma<T, KV, D, false>();
-      e != cudaSuccess)
-    return (int)e;
-  const dim3 grid(p.num_rows, p.Hkv, p.P);
-  const int e = launch_pdl(cap ? group_mma_decode_kernel<T, KV, D, true> : group_mma_decode_kernel<T, KV, D, false>,
-                           grid, dim3(C::NT), C::SMEM, st, p);
-  if (e != 0) return e;
-  return p.P > 1 ? launch_pdl(row_reduce_kernel<T>, dim3(p.num_rows, p.H), dim3(D), 0, st, p, D) : 0;
+  return p.softcap_log2 > 0.f ? launch_group_mma_split<T, KV, D, true>(p, st)
+                              : launch_group_mma_split<T, KV, D, false>(p, st);
 }
 
 template <typename T, typename KV, int D>

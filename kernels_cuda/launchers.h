@@ -23,6 +23,7 @@ struct AttnParams {
   void* out;                 // [num_tokens, H, D], dense
   float* part_o;             // split-K partials [num_tokens, H, P, D] (row kernel, P > 1)
   float* part_ml;            // [num_tokens, H, P, 2]: running max (log2 units) and sum
+  int* part_count;           // [num_tokens, decode CTAs per row]: partitions done, zero between launches (P > 1)
   const int* qsl;            // [num_seqs + 1]
   const int* seq_lens;       // [num_seqs]
   const int* block_tables;   // [num_seqs, bt_stride]

@@ -7,7 +7,7 @@ in its own subprocess over the same model, the Qwen3-0.6B shape with random bf16
   * on a GPU of compute capability 9.0 or later PDL is on by default, and PAGEDNB_PDL=0 turns it off;
   * the engine's outputs are the same bits either way: greedy tokens at batch 1 (GEMV with its weights
     loaded before the wait, SiLU-input GEMV, fused norms, q/k norm + RoPE + cache write, split-K decode
-    attention and its reduce, the greedy kernel, all in one CUDA graph) and at batch 4 (cuBLAS between
+    attention merged in the kernel, the greedy kernel, all in one CUDA graph) and at batch 4 (cuBLAS between
     them), and the logprobs of temperature-sampled tokens (the sampling kernel). A kernel reading its input
     before the kernel before it has written it would change them.
 """

@@ -3,10 +3,13 @@
 Per step and layer: `write_kv` scatters the new K/V rows into their slots (one kernel; slot -1 is
 skipped); `attend` runs
   * the row kernel (CUDA cores, one CTA per query row x kv head x split-K partition, GQA-aware) for
-    decode rows, with a reduce kernel when a row's keys are split across partitions; in float32 it
-    serves every row (the test path). For bf16/fp16 models with 4-16 query heads per kv head at
-    head_dim 64 (Llama 3.2 1B/3B) the decode rows run on tensor cores instead (the kv head's query
-    heads as the rows of an mma tile; kernels_cuda/decode_group_mma.cuh);
+    decode rows; when a row's keys are split across partitions, the last partition to finish merges
+    the others' partials (a per-(row, kv head) counter in an array the backend keeps zeroed), so a
+    split step is still one launch (the kernels' SPLIT instantiations: a one-partition step, every large
+    batch, runs kernels without the merge); in float32 it serves every row (the test path). For bf16/fp16
+    models with 4-16 query heads per kv head at head_dim 64 (Llama 3.2 1B/3B) the decode rows run on
+    tensor cores instead (the kv head's query heads as the rows of an mma tile;
+    kernels_cuda/decode_group_mma.cuh), with the same split-K merge;
   * the tensor-core prefill kernel (mma.sync, FlashAttention-2 style) for sequences with more than one
     new token (prefill chunks, prefix hits) in bf16/fp16.
 Both kernels read the same metadata and pick their own sequences, so a mixed batch is two launches.
@@ -31,6 +34,9 @@ from pagednb.attention.torch_ref import TorchReferenceBackend
 from pagednb.kernels import AttnParams, check_status, current_stream, dtype_codes, head_dims, load_error, load_kernels
 
 LOG2E = 1.4426950408889634
+# The split-K counter array's smallest size: every decode CUDA graph's rows x kv heads fits, so it is
+# allocated once, before the first capture.
+MIN_PART_COUNTERS = 1 << 16
 
 
 class _StepPlan:
@@ -97,6 +103,7 @@ class CudaPagedBackend(AttentionBackend):
         self._reference = TorchReferenceBackend()
         self._warned: set[str] = set()
         self._num_sms: dict[int, int] = {}
+        self._part_counters: dict[int, list[torch.Tensor]] = {}
         # decode rows (launchers.h): 2 = tensor cores for large GQA groups, else as 1; 1 = the
         # cp.async-pipelined row kernel (bf16/fp16); 0 = direct loads. 1 and 0 exist for benchmarks and tests.
         self.row_variant = 2
@@ -229,6 +236,7 @@ class CudaPagedBackend(AttentionBackend):
                 part_o = torch.empty((plan.rows, num_heads, p.P, head_dim), dtype=torch.float32, device=query.device)
                 part_ml = torch.empty((plan.rows, num_heads, p.P, 2), dtype=torch.float32, device=query.device)
                 p.part_o, p.part_ml = part_o.data_ptr(), part_ml.data_ptr()
+                p.part_count = self._counters(query.device, plan.rows * num_kv_heads * p.head_groups).data_ptr()
             self._check(self._lib.pagednb_row_attention(dtype, head_dim, ctypes.byref(p), stream), "row attention")
         if not rows_on_cuda_cores:
             p.max_query_len = plan.max_query_len
@@ -247,6 +255,19 @@ class CudaPagedBackend(AttentionBackend):
                                         variant, int(fp8), ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
         self._check(rc, "row plan")
         return P.value, size.value, groups.value
+
+    def _counters(self, device: torch.device, n: int) -> torch.Tensor:
+        """At least n split-K counters on this device (one per decode CTA column: row x kv head [x head
+        group]). Zeroed once; every launch leaves them zero, so graph replays share them. A larger need
+        allocates a larger array and keeps the old ones alive: captured graphs hold their addresses."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        arrays = self._part_counters.setdefault(idx, [])
+        if not arrays or arrays[-1].numel() < n:
+            if torch.cuda.is_current_stream_capturing():  # a captured memset would only zero them at replay
+                raise RuntimeError(f"split-K counters for {n} decode CTAs are first needed inside a CUDA graph "
+                                   "capture: run the captured step once before capturing it")
+            arrays.append(torch.zeros(max(n, MIN_PART_COUNTERS), dtype=torch.int32, device=device))
+        return arrays[-1]
 
     def _check(self, rc: int, what: str) -> None:
         check_status(self._lib, rc, what)

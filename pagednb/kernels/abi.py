@@ -101,7 +101,7 @@ class AttnParams(ctypes.Structure):
     _fields_ = [
         ("q", _VP), ("q_stride_tok", _I64), ("q_stride_head", _I64),
         ("cache", _VP), ("v_offset", _I64), ("out", _VP),
-        ("part_o", _VP), ("part_ml", _VP), ("qsl", _VP),
+        ("part_o", _VP), ("part_ml", _VP), ("part_count", _VP), ("qsl", _VP),
         ("seq_lens", _VP), ("block_tables", _VP),
         ("bt_stride", _I32), ("num_seqs", _I32), ("num_rows", _I32),
         ("H", _I32), ("Hkv", _I32), ("G", _I32), ("head_groups", _I32),

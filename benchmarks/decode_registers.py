@@ -1,0 +1,94 @@
+"""Registers, spills and shared memory of the decode kernels, this tree against a git revision (`ptxas -v`).
+
+The split-K merge lives in the decode kernels' SPLIT instantiations, which the host launches only when a
+step has P > 1 partitions; a one-partition launch (every large batch) must cost what it did before the merge
+existed. This compiles kernels_cuda/decode_<dtype>.cu of this tree and of --ref with jit.py's flags for
+sm_90 (no GPU needed, only nvcc) and checks that every one-partition kernel has the resources of the kernel
+of the same name at --ref; the SPLIT ones are listed beside their one-partition twin.
+
+    python benchmarks/decode_registers.py [--ref HEAD] [--dtypes bf16,f16,f32]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["-gencode=arch=compute_90,code=sm_90", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v"]
+KERNEL = re.compile(r"(row_attn_kernel|group_mma_decode_kernel)<(.*)>\(pagednb::AttnParams\)$")
+
+
+def resources(src_dir: Path, dtype: str) -> dict[str, tuple[int, int, int]]:
+    """{demangled kernel: (registers, spill bytes stored + loaded, static smem bytes)} of one decode unit."""
+    log = subprocess.run(["nvcc", *FLAGS, "-c", str(src_dir / f"decode_{dtype}.cu"), "-o", "/dev/null"],
+                         capture_output=True, text=True, check=True).stderr
+    found, name = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name, spills = m.group(1), 0
+        elif (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)) and name:
+            spills = int(m.group(1)) + int(m.group(2))
+        elif (m := re.search(r"Used (\d+) registers", line)) and name:
+            smem = re.search(r"(\d+) bytes smem", line)
+            found[name] = (int(m.group(1)), spills, int(smem.group(1)) if smem else 0)
+            name = None
+    names = list(found)
+    demangled = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+    return {d: found[n] for n, d in zip(names, demangled)}
+
+
+def checkout(ref: str, into: Path) -> Path:
+    """kernels_cuda/ as of `ref`, written under `into`."""
+    files = subprocess.run(["git", "ls-tree", "--name-only", f"{ref}:kernels_cuda"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        blob = subprocess.run(["git", "show", f"{ref}:kernels_cuda/{f}"], cwd=ROOT, capture_output=True, check=True)
+        (into / f).write_bytes(blob.stdout)
+    return into
+
+
+def compare(dtype: str, ours: dict, theirs: dict) -> bool:
+    same, differ, split = 0, [], []
+    for name, res in sorted(ours.items()):
+        m = KERNEL.search(name)
+        if not m:
+            continue
+        args = m.group(2).split(", ")
+        if args[-1] == "true":  # a SPLIT instantiation: beside its one-partition twin
+            split.append((name, res, ours.get(name.replace(", true>(", ", false>("))))
+            continue
+        ref = theirs.get(name, theirs.get(name.replace(", false>(", ">(")))  # (a ref before SPLIT existed)
+        if ref == res:
+            same += 1
+        else:
+            differ.append((name, res, ref))
+    print(f"decode_{dtype}.cu: {same} one-partition kernels as at the ref, {len(differ)} differ")
+    for name, res, ref in differ:
+        print(f"  DIFFERS {name}: (registers, spill bytes, smem) {res} vs {ref}")
+    spilling = [s for s in split if s[1][1]]
+    worst = max(split, key=lambda s: s[1][0] - s[2][0]) if split else None
+    if worst:
+        print(f"  {len(split)} SPLIT kernels, {len(spilling)} spill; most registers over the one-partition twin: "
+              f"{worst[1][0]} vs {worst[2][0]} ({worst[0]})")
+    return not differ
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", default="HEAD", help="git revision to compare with")
+    ap.add_argument("--dtypes", default="bf16,f16,f32")
+    args = ap.parse_args()
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_dir = checkout(args.ref, Path(tmp))
+        for dtype in args.dtypes.split(","):
+            ok &= compare(dtype, resources(ROOT / "kernels_cuda", dtype), resources(ref_dir, dtype))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
