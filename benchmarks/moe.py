@@ -9,11 +9,13 @@ intermediate 768, top-8, bf16) at 1 to 8192 tokens, beside:
     measured here (read + write of a 2 GiB tensor, eager: a graph's memcpy node runs slower, NOTES issue 13);
   * the pure-torch reference (fused_moe_reference: HF's expert loop, eager, with its host syncs).
 
+"fused" is fused_moe as the layers call it: the CUDA kernel, or from 64 rows per expert in bf16 (1,024 tokens
+here) torch._grouped_mm's path (column "path"); "moe.cu" is the CUDA kernel alone at every size.
 The routing (softmax, top-k, renormalisation: select_experts) is timed apart, the kernel against torch's five
 launches, and with the experts as the layer runs them ("layer": router logits in, output out). Each size's
 kernels are also profiled one by one (eager calls, torch.profiler): routing, sort, gate/up GEMM, down GEMM,
-combine, so a miss says which launch to look at. From 256 tokens, torch._grouped_mm's two GEMMs on the same
-rows (sorted by expert beforehand) give a bar from CUTLASS for the kernel's larger tiles.
+combine, so a miss says which launch to look at. From 256 tokens the whole torch._grouped_mm path is timed
+at every size ("grouped_mm path"), to place the row count where fused_moe switches to it.
 
 Timing: each call captured in a CUDA graph and replayed back to back, rotating over 4 routings (different
 experts each time, so the L2 does not keep a call's weights for the next); one CUDA event per replay,
@@ -38,12 +40,12 @@ from common import print_table, save, time_ms  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pagednb.model.fused_moe import (KERNEL, fused_moe, fused_moe_reference, select_experts,  # noqa: E402
-                                     select_experts_reference)
+from pagednb.model.fused_moe import (KERNEL, fused_moe, fused_moe_reference, grouped_mm_moe,  # noqa: E402
+                                     grouped_mm_serves, select_experts, select_experts_reference)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 DT = torch.bfloat16
-TOKENS = (1, 16, 64, 128, 256, 2048, 8192)  # 64-255: most decode steps of the standard workload; 8192: a prefill step
+TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 8192)  # 64-255: most decode steps of the workload; 8192: a prefill
 ROUTINGS = 4
 
 
@@ -54,9 +56,12 @@ def copy_gbps(reps: int) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
-# kernel name -> stage of the layer (first match)
-STAGES = (("moe_select", "routing"), ("moe_route", "sort by expert"), ("true>", "gate/up GEMM"),
-          ("false>", "down GEMM"), ("moe_combine", "combine"))
+# stage of the layer <- the parts of a kernel's name (first match; moe_gemm_kernel<..., kGateUp, kDirect>);
+# up to 16 tokens the down GEMM's last CTAs also do the combine; any other kernel (torch._grouped_mm's path) is
+# "other"
+STAGES = ((("moe_select",), "routing"), (("moe_route",), "sort by expert"),
+          (("moe_gemm", ", true, "), "gate/up GEMM"), (("moe_gemm", ", false, "), "down GEMM"),
+          (("moe_combine",), "combine"), ((), "other"))
 
 
 def kernel_breakdown_ms(call, calls: int = 20) -> dict[str, float]:
@@ -69,25 +74,18 @@ def kernel_breakdown_ms(call, calls: int = 20) -> dict[str, float]:
         torch.cuda.synchronize()
     out: dict[str, float] = {}
     for e in prof.key_averages():
-        stage = next((label for key, label in STAGES if key in e.key), None)
-        if stage is not None and e.self_device_time_total > 0:
+        stage = next(label for keys, label in STAGES if all(k in e.key for k in keys))
+        if e.self_device_time_total > 0:
             out[stage] = out.get(stage, 0.0) + e.self_device_time_total / 1e3 / calls
     return out
 
 
-def grouped_mm_ms(hidden, w13, w2, ids, reps: int) -> float | str:
-    """torch._grouped_mm (CUTLASS's grouped GEMM on Hopper) on the same routed rows, sorted by expert
-    beforehand: its two expert GEMMs only, a bar for the kernel's prefill tiles. The error where torch has
+def grouped_mm_path_ms(hidden, w13, w2, routings, reps: int) -> float | str:
+    """The whole torch._grouped_mm path (grouped_mm_moe: sort, gather, the two grouped GEMMs, put back, bmm)
+    at any size, so the row count where fused_moe switches to it can be read off; the error where torch has
     no such op or refuses these operands."""
     try:
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        a = hidden[order // TOP_K].contiguous()
-        offs = torch.bincount(flat, minlength=EXPERTS).cumsum(0).to(torch.int32)
-        act = torch.randn(a.shape[0], INTER, device="cuda").to(DT)
-        up_t, down_t = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N] views of the stored experts
-        return time_ms([lambda: (torch._grouped_mm(a, up_t, offs=offs), torch._grouped_mm(act, down_t, offs=offs))],
-                       reps)
+        return time_ms([lambda r=r: grouped_mm_moe(hidden, w13, w2, *r) for r in routings], reps)
     except Exception as exc:  # noqa: BLE001 - a probe: say why, carry on
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
 
@@ -97,12 +95,16 @@ def bench_tokens(T: int, w13, w2, gbps: float, reps: int, gen) -> dict:
     logits = [torch.randn(T, EXPERTS, generator=gen, device="cuda").to(DT) for _ in range(ROUTINGS)]
     routings = [select_experts(x, TOP_K, True, True) for x in logits]
     fused_ms = time_ms([lambda r=r: fused_moe(hidden, w13, w2, *r) for r in routings], reps)
+    grouped = grouped_mm_serves(hidden, w13, w2, routings[0][1])
+    kernel = KERNEL.get()
+    kernel_only_ms = (time_ms([lambda r=r: kernel.fused_moe(hidden, w13, w2, *r) for r in routings], reps)
+                      if grouped else fused_ms)
     route_ms = time_ms([lambda x=x: select_experts(x, TOP_K, True, True) for x in logits], reps)
     route_torch_ms = time_ms([lambda x=x: select_experts_reference(x, TOP_K, True, True) for x in logits], reps)
     layer_ms = time_ms([lambda x=x: fused_moe(hidden, w13, w2, *select_experts(x, TOP_K, True, True))
                         for x in logits], reps)
     stages = kernel_breakdown_ms(lambda: fused_moe(hidden, w13, w2, *select_experts(logits[0], TOP_K, True, True)))
-    grouped = grouped_mm_ms(hidden, w13, w2, routings[0][1], reps) if T >= 256 else "-"
+    grouped_path = grouped_mm_path_ms(hidden, w13, w2, routings, reps) if T >= 256 else "-"
     ref_ms = time_ms([lambda r=r: fused_moe_reference(hidden, w13, w2, *r) for r in routings],
                        max(3, reps // 10), graph=False)
     dense_mid = torch.randn(T, TOP_K * INTER, generator=gen, device="cuda").to(DT)
@@ -114,9 +116,10 @@ def bench_tokens(T: int, w13, w2, gbps: float, reps: int, gen) -> dict:
     weight_bytes = touched * 3 * HIDDEN * INTER * 2
     floor_ms = weight_bytes / gbps / 1e6
     flops = 2 * T * TOP_K * 3 * HIDDEN * INTER
-    return {"tokens": T, "experts_touched": touched, "fused_ms": fused_ms, "routing_ms": route_ms,
+    return {"tokens": T, "experts_touched": touched, "path": "torch._grouped_mm" if grouped else "moe.cu",
+            "fused_ms": fused_ms, "moe_cu_ms": kernel_only_ms, "routing_ms": route_ms,
             "routing_torch_ms": route_torch_ms, "layer_ms": layer_ms, "layer_vs_dense": layer_ms / dense_ms,
-            "kernel_ms": stages, "torch_grouped_mm_ms": grouped, "dense_gemm_ms": dense_ms,
+            "kernel_ms": stages, "grouped_mm_path_ms": grouped_path, "dense_gemm_ms": dense_ms,
             "reference_ms": ref_ms, "weight_bytes_floor_ms": floor_ms, "fused_TFLOPs": flops / fused_ms / 1e9,
             "fused_weight_GBps": weight_bytes / fused_ms / 1e6, "vs_dense": fused_ms / dense_ms,
             "vs_floor": fused_ms / floor_ms, "vs_reference": ref_ms / fused_ms}
@@ -149,9 +152,10 @@ def main() -> None:
                            "dtype": "bfloat16"}, "programmatic_dependent_launch": pdl, "copy_GBps": gbps,
                  "results": results, "targets": targets})
     print(f"wrote {path}")
-    print_table(["tokens", "experts", "fused ms", "dense ms", "x dense", "floor ms", "x floor", "weight GB/s",
-                 "TFLOP/s", "ref ms", "ref / fused", "<=1.5x dense", "<=1.5x floor"],
-                [[r["tokens"], r["experts_touched"], r["fused_ms"], r["dense_gemm_ms"], r["vs_dense"],
+    print_table(["tokens", "experts", "path", "fused ms", "moe.cu ms", "dense ms", "x dense", "floor ms", "x floor",
+                 "weight GB/s", "TFLOP/s", "ref ms", "ref / fused", "<=1.5x dense", "<=1.5x floor"],
+                [[r["tokens"], r["experts_touched"], r["path"], r["fused_ms"], r["moe_cu_ms"], r["dense_gemm_ms"],
+                  r["vs_dense"],
                   r["weight_bytes_floor_ms"], r["vs_floor"], r["fused_weight_GBps"], r["fused_TFLOPs"],
                   r["reference_ms"], r["vs_reference"], "yes" if targets[f"T{r['tokens']}"]["met"] else "NO",
                   "yes" if r["vs_floor"] <= 1.5 else "NO"]
@@ -160,9 +164,9 @@ def main() -> None:
           + ("; with PDL a kernel's time includes its early start's wait: PAGEDNB_PDL=0 for clean ones)" if pdl
              else ")"))
     print_table(["tokens", "routing ms", "torch routing ms", "layer ms", "layer x dense"]
-                + [label for _, label in STAGES] + ["torch._grouped_mm GEMMs ms"],
+                + [label for _, label in STAGES] + ["grouped_mm path ms"],
                 [[r["tokens"], r["routing_ms"], r["routing_torch_ms"], r["layer_ms"], r["layer_vs_dense"]]
-                 + [r["kernel_ms"].get(label, 0.0) for _, label in STAGES] + [r["torch_grouped_mm_ms"]]
+                 + [r["kernel_ms"].get(label, 0.0) for _, label in STAGES] + [r["grouped_mm_path_ms"]]
                  for r in results.values()])
 
 

@@ -114,6 +114,35 @@ def test_reference_is_the_weighted_sum_of_each_tokens_experts():
     torch.testing.assert_close(fused_moe_reference(hidden, w13, w2, weights, ids), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["random", "idle_experts", "one_expert", "expert_twice_per_token"])
+def test_grouped_mm_path_is_the_weighted_sum_of_each_tokens_experts(dtype, routing):
+    """grouped_mm_moe (the prefill-sized calls' path on the GPU: sort by expert, torch._grouped_mm, put back,
+    one bmm) on the CPU against the reference: exact in float32 up to the sums' order, within bf16 rounding
+    in bf16. Routings with idle experts (empty groups), all pairs on one expert, and a token listing an
+    expert twice."""
+    from pagednb.model.fused_moe import grouped_mm_moe
+
+    gen = torch.Generator().manual_seed(1)
+    T, H, I, E, k = 40, 32, 16, 8, 2
+    hidden = torch.randn(T, H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(dtype)
+    weights, ids = select_experts(torch.randn(T, E, generator=gen), k, True, False)
+    if routing == "idle_experts":
+        ids = ids % 3 * 2  # experts 0, 2, 4 only (a token may list one twice)
+    elif routing == "one_expert":
+        ids = torch.full_like(ids, 5)
+    elif routing == "expert_twice_per_token":
+        ids[:, 1] = ids[:, 0]
+    ref = fused_moe_reference(hidden.float(), w13.float(), w2.float(), weights, ids)
+    out = grouped_mm_moe(hidden, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == (T, H)
+    scale = ref.abs().amax(dim=-1, keepdim=True)
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -6
+    assert ((out.float() - ref).abs() <= tol * (scale + ref.abs())).all()
+
+
 def test_the_memory_estimate_counts_every_expert():
     """Qwen3-30B-A3B's config: 30.5B parameters (the start-up memory check sizes the weights by it)."""
     from transformers import Qwen3MoeConfig

@@ -1,6 +1,9 @@
 """The fused MoE kernel (kernels_cuda/moe.cu) against the torch reference on the GPU: routing edge cases
-(an expert with no tokens, every token on one expert, top-k 1/2/8), batch 1 to 8192 tokens, 8 and 128
-experts, shapes that do not fill a tile, and a CUDA graph replayed with new routing.
+(an expert with no tokens, every token on one expert, top-k 1/2/8, a token listing an expert twice), batch 1
+to 8192 tokens, 8 and 128 experts, shapes that do not fill a tile, and a CUDA graph replayed with new
+routing. Up to 16 tokens the kernel routes inside each CTA and combines in the down GEMM ("direct" tiles):
+those outputs must equal, bit for bit, the same rows computed by the routed path at 17 tokens. From 64 rows
+per expert in bf16 fused_moe takes torch._grouped_mm's path, checked against the reference and the kernel.
 
 Tolerance: the oracle is the reference run in float32 on the same bf16/fp16 inputs. The kernel rounds
 gate, up, silu, the product and the down projection to the model dtype, as HF does, so each output is off
@@ -52,7 +55,7 @@ def kernel():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T,E,top_k", [(1, 8, 2), (1, 128, 8), (16, 128, 8), (37, 8, 1), (256, 128, 8),
+@pytest.mark.parametrize("T,E,top_k", [(1, 8, 2), (1, 128, 8), (16, 128, 8), (16, 8, 8), (37, 8, 1), (256, 128, 8),
                                        (300, 8, 2), (8192, 128, 8)])
 def test_kernel_matches_reference(kernel, dtype, T, E, top_k):
     gen = torch.Generator("cuda").manual_seed(T * 1000 + E + top_k)
@@ -116,10 +119,66 @@ def test_strided_hidden_rows_are_read_in_place(kernel):
 
 
 @gpu
-def test_captured_in_a_cuda_graph_and_replayed_with_new_routing(kernel):
-    """No host sync and only shape-dependent grids: a graph captured once serves any later routing."""
+@pytest.mark.parametrize("T,E,top_k", [(1, 128, 8), (3, 8, 2), (8, 8, 8), (16, 128, 8)])
+def test_direct_tiles_equal_the_routed_path_bit_for_bit(kernel, T, E, top_k):
+    """The first T rows of a (T + 1)-token call (routing kernel, the same 16-row tiles (under 12 rows per expert
+    at T + 1), combine kernel) are
+    the T-token call's output exactly: every row is computed alone in both paths, in the same order."""
+    gen = torch.Generator("cuda").manual_seed(10 * T + E)
+    H, I = 2048, 768
+    w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
+    hidden = torch.randn(T + 1, H, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = random_routing(T + 1, E, top_k, gen)
+    routed = kernel.fused_moe(hidden, w13, w2, weights, ids)
+    direct = kernel.fused_moe(hidden[:T], w13, w2, weights[:T].contiguous(), ids[:T].contiguous())
+    assert torch.equal(direct, routed[:T])
+    check_against_reference(hidden[:T], w13, w2, weights[:T], ids[:T])
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 5, 16, 40])
+def test_a_token_listing_an_expert_twice(kernel, T):
+    """Each listing counts (the reference adds both): up to 16 tokens an expert then has up to 4 * T rows,
+    more than one 16-row tile, which the direct tile runs in several chunks."""
+    gen = torch.Generator("cuda").manual_seed(T)
+    E, H, I = 8, 256, 96
+    w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, _ = random_routing(T, E, 4, gen)
+    ids = torch.full((T, 4), 3, device="cuda")
+    ids[:, 3] = 6  # expert 3 three times per token, expert 6 once
+    assert kernel.fused_moe(hidden, w13, w2, weights, ids) is not None
+    check_against_reference(hidden, w13, w2, weights, ids)
+
+
+@gpu
+def test_prefill_sized_bf16_calls_take_grouped_mm_and_agree_with_the_kernel(kernel):
+    """From 64 rows per expert in bf16 fused_moe runs torch._grouped_mm's path (Hopper: the H200 has it);
+    fp16 and smaller calls keep the kernel. Both paths within bf16 rounding of the reference and of each
+    other."""
+    gen = torch.Generator("cuda").manual_seed(7)
+    E, H, I, top_k, T = 128, 2048, 768, 8, 2048
+    w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
+    hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = random_routing(T, E, top_k, gen)
+    assert moe_ops.grouped_mm_serves(hidden, w13, w2, ids)
+    assert moe_ops.grouped_mm_serves(hidden[:T // 2], w13, w2, ids[:T // 2])  # 64 rows per expert
+    assert not moe_ops.grouped_mm_serves(hidden[:T // 4], w13, w2, ids[:T // 4])  # 32
+    assert not moe_ops.grouped_mm_serves(hidden.half(), w13.half(), w2.half(), ids)
+    check_against_reference(hidden, w13, w2, weights, ids)
+    ours = kernel.fused_moe(hidden, w13, w2, weights, ids).float()
+    grouped = moe_ops.fused_moe(hidden, w13, w2, weights, ids).float()
+    scale = ours.abs().amax(dim=-1, keepdim=True)
+    assert ((grouped - ours).abs() <= TOL * (scale + ours.abs())).all()
+
+
+@gpu
+@pytest.mark.parametrize("T", [4, 48])
+def test_captured_in_a_cuda_graph_and_replayed_with_new_routing(kernel, T):
+    """No host sync and only shape-dependent grids: a graph captured once serves any later routing (4 tokens:
+    the direct tiles, whose combine counters the graph must reset on every replay; 48: the routed path)."""
     gen = torch.Generator("cuda").manual_seed(2)
-    E, H, I, T, top_k = 64, 256, 128, 48, 4
+    E, H, I, top_k = 64, 256, 128, 4
     w13, w2 = make_experts(E, H, I, torch.bfloat16, gen)
     hidden = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = random_routing(T, E, top_k, gen)
