@@ -100,6 +100,7 @@ class ModelRunner:
                                    self.max_blocks_per_seq, device, num_groups)
         self.stager = PinnedStager(device)
         self._aranges = np.arange(max_num_seqs + 1, dtype=np.int32)
+        self._identity = list(range(max_num_seqs + max_num_draft_rows))  # pending rows taken in place
         self.sampler = Sampler()
         self.logits_processors: LogitsProcessors | None = None  # set by the engine
         self.kv_caches: list[torch.Tensor] = []  # per layer (a hybrid model's layers share tensors)
@@ -355,6 +356,12 @@ class ModelRunner:
         flagged (INVALID_TOKEN_ID) reads token 0 instead: its request ends with an error when that flag
         reaches the host, this step's token is dropped, and nothing indexes the embedding with -1."""
         token_ids = self._last_sampled[0]
+        n = len(rows)
+        if rows[-1] == sources[-1] == n - 1 and rows == sources == self._identity[:n]:
+            # the usual decode step, the same rows in the same order: one launch instead of two index uploads and
+            # three kernels (batch-1 latency is a chain of such launches)
+            torch.clamp(token_ids[:n], min=0, out=input_ids[:n])
+            return
         input_ids.index_copy_(0, self.stager.tensor(rows, torch.int64),
                               token_ids.index_select(0, self.stager.tensor(sources, torch.int64)).clamp_(min=0))
 
