@@ -48,6 +48,19 @@ def capture_graph(calls) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median ms of one replay of graph (after one untimed replay), from events between consecutive replays."""
+    graph.replay()
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    events[0].record()
+    for i in range(reps):
+        graph.replay()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(reps))
+
+
 def time_ms(fns, reps: int, graph: bool = True) -> float:
     """Median ms of one call, over CUDA-graph replays of fns (rotating); graph=False: eager calls."""
     for f in fns:

@@ -11,14 +11,13 @@ median replay / 28), i.e. the attention's share of a batch-1 step divided by the
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # pagednb from this checkout
 
-from common import capture_graph, print_table, save  # noqa: E402
+from common import capture_graph, print_table, replay_ms, save  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -50,16 +49,7 @@ def us_per_launch(backend, layers, context: int, reps: int) -> tuple[float, int]
     """Median us per attention launch of a graph of all layers' launches, and the plan's partitions."""
     mds = [metadata(context, table) for _, _, table in layers]
     calls = [lambda q=q, c=c, md=md: backend.attend(q, c, md, D ** -0.5, None) for (q, c, _), md in zip(layers, mds)]
-    graph = capture_graph(calls)
-    graph.replay()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    events[0].record()
-    for i in range(reps):
-        graph.replay()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    ms = statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(reps))
+    ms = replay_ms(capture_graph(calls), reps)
     partitions = next(iter(mds[0]._cuda_plan.row_plans.values()))[0]
     return ms * 1000 / len(calls), partitions
 

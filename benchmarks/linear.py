@@ -13,14 +13,13 @@ both (bf16 output rounding alone is up to ~4e-3 of a value).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # pagednb from this checkout
 
-from common import capture_graph, print_table, save  # noqa: E402
+from common import capture_graph, print_table, replay_ms, save  # noqa: E402
 from kernels import L2_BYTES  # noqa: E402
 
 import torch  # noqa: E402
@@ -49,16 +48,7 @@ CALLS_PER_GRAPH = 64
 
 def per_call_ms(fns, reps: int) -> float:
     """Median ms per call over replays of one CUDA graph of CALLS_PER_GRAPH calls cycling over fns."""
-    graph = capture_graph([fns[i % len(fns)] for i in range(CALLS_PER_GRAPH)])
-    graph.replay()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    events[0].record()
-    for i in range(reps):
-        graph.replay()
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(reps)) / CALLS_PER_GRAPH
+    return replay_ms(capture_graph([fns[i % len(fns)] for i in range(CALLS_PER_GRAPH)]), reps) / CALLS_PER_GRAPH
 
 
 def bench(n: int, k: int, m: int, reps: int, gen: torch.Generator) -> dict:

@@ -179,6 +179,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queues the step's forward pass and sampling on the device; returns without waiting for them.
+        A step with grammar rows queues its sampling later (DeferredSampling): at the next launch, right before
+        that step's inputs read its tokens, or when it is collected.
 
         A decode-only step replays the CUDA graph of its batch size; others run eagerly. Inputs whose
         token was sampled by the previous launch and is not known here yet (Request.num_pending_tokens)
