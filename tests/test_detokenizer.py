@@ -8,7 +8,6 @@ tokenizer and the llama2c one (/work/shared/llama2c), and go through the engine 
 """
 import asyncio
 import string
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -16,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from pagednb.engine.detokenizer import IncrementalDetokenizer
 from pagednb.llm import DEFAULT_MODEL
 from pagednb.sampling_params import RequestOutputKind, SamplingParams
-from tiny import make_tokenizer
+from tiny import LLAMA2C, make_tokenizer
 
 TEXTS = [
     "Once upon a time there was a cat named Tom.",
@@ -239,7 +238,6 @@ def test_final_only_without_stops_decodes_once_at_the_end(tok, text):
 # splits every non-ASCII character into byte tokens; sentencepiece falls back to bytes). The rule (as
 # in vLLM): the output starts right after the prompt's last whole character; the split character is
 # emitted in the output once its bytes are complete.
-LLAMA2C = Path("/work/shared/llama2c/stories260K_hf")
 SPLIT_TEXT = "I like 🐱 and café, naïve 東京 too."
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from gpu_support import built_kernels, gpu
+from tiny import LLAMA2C as LLAMA2C_DIR
 
 from pagednb import LLM, SamplingParams
 from pagednb.attention import AttentionMetadata, TorchReferenceBackend
@@ -27,7 +28,7 @@ from pagednb.attention.kv_quant import FP8_DTYPE, FP8_MAX, dequantize, quantize
 from pagednb.config import EngineConfig
 from pagednb.planner import plan
 
-LLAMA2C = "/work/shared/llama2c/stories260K_hf"  # real weights shipped beside the repository (../shared)
+LLAMA2C = str(LLAMA2C_DIR)  # real weights shipped beside the repository (../shared)
 STORY_PROMPTS = ["Once upon a time", "Tom and Lily", "One day, a little girl named Lily", "The cat",
                  "Sam had a big red ball.", "Once upon a time, there was a little boy named Tim.",
                  "The sun was shining", "Mom said", "Tell me a story about a cat named Tom.",

@@ -6,9 +6,14 @@ configs small enough that a CPU runs them in milliseconds.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
+
+# The tiny real pretrained Llama (stories260K as an HF folder) beside the repository; PAGEDNB_TEST_LLAMA2C names
+# another copy (the GPU machine gets the repository without ../shared: carry the folder and point at it)
+LLAMA2C = Path(os.environ.get("PAGEDNB_TEST_LLAMA2C", "/work/shared/llama2c/stories260K_hf"))
 
 CORPUS = [
     "Once upon a time there was a cat named Tom. Tom liked milk and long naps in the sun.",
