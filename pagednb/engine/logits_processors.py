@@ -175,11 +175,10 @@ class LogitsProcessors:
             everything[live] = False
             host.numpy()[everything] = ALL_ALLOWED
         matchers = [reqs[i].logits_state.structured.matcher for i in live]
-        if not live:
-            return PendingBitmask(host, None)
-        if background:
+        if live and background:
             return PendingBitmask(host, self.grammars.fill_in_background(host, matchers, live))
-        self.grammars.fill_bitmask(host, matchers, live)
+        if live:
+            self.grammars.fill_bitmask(host, matchers, live)
         return PendingBitmask(host, None)
 
     def finish_grammar_bitmask(self, pending: PendingBitmask, device: torch.device) -> torch.Tensor:
