@@ -50,7 +50,7 @@ struct AttnParams {
 // instruction-bound (benchmarks/NOTES.md). At head_dim 128 the row kernel already reads K/V at ~4 TB/s and
 // keeps them. Over an fp8 cache the row kernel does twice the multiply-adds per byte read (plus the
 // conversions), so for 4-16 heads the tensor-core kernel serves head_dim 128 as well; with 2 heads per kv head
-// the row kernel reads fp8 at 3,612 GB/s, the tensor-core one at 2,305 (benchmarks/NOTES.md, issue 19).
+// the row kernel reads fp8 at 3,626 GB/s, the tensor-core one at 3,404 (benchmarks/NOTES.md, issue 19).
 // Bindings (split plan) and launchers (dispatch) both ask this one function.
 inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant, int cache_fp8) {
   return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= 4 && G <= 16 &&

@@ -268,9 +268,10 @@ def backend(request):
     return backend
 
 
-def check_fp8(backend, case, k_scale: float, v_scale: float) -> None:
+def check_fp8(backend, case, k_scale: float, v_scale: float) -> torch.Tensor:
     """case (test_cuda_kernels.Case, a 16-bit step) on an fp8 copy of its cache: the kernels' write stores the
-    reference's bytes; attention matches the reference on that cache (rel. error < 1e-2, per row < 3e-2)."""
+    reference's bytes; attention matches the reference on that cache (rel. error < 1e-2, per row < 3e-2).
+    Returns the kernels' fp8 cache (unused blocks poisoned)."""
     from test_cuda_kernels import _poison_allocator
 
     # built and compared as bytes: torch's CUDA indexing and stacking kernels skip fp8 types
@@ -296,6 +297,7 @@ def check_fp8(backend, case, k_scale: float, v_scale: float) -> None:
     per_row = ((o - r).flatten(1).norm(dim=1) / r.flatten(1).norm(dim=1).clamp_min(1e-6)).max().item()
     assert rel < 1e-2, f"relative error {rel:.2e}"
     assert per_row < 3e-2, f"worst row relative error {per_row:.2e}"
+    return kernel_cache
 
 
 # (batch, max_len, heads, kv_heads, head_dim, block_size, dtype, window, k_scale, v_scale)
@@ -311,6 +313,9 @@ FP8_DECODE = [
     (12, 700, 4, 2, 16, 16, torch.bfloat16, None, 1.0, 1.0),
     (7, 300, 6, 2, 32, 32, torch.float16, None, 1.0, 1.0),
     (2, 4000, 16, 1, 128, 16, torch.bfloat16, None, 1.0, 1.0),     # 16 per kv head
+    (9, 3000, 24, 2, 128, 16, torch.bfloat16, None, 1.0, 0.5),     # 12 per kv head: a second, half-empty head tile
+    (40, 2000, 64, 4, 64, 16, torch.float16, None, 0.5, 1.0),      # 16 per kv head at head_dim 64
+    (200, 600, 32, 8, 128, 32, torch.bfloat16, None, 0.25, 4.0),   # blocks of 32, many short rows
 ]
 
 
@@ -326,6 +331,72 @@ def test_fp8_decode_matches_reference(backend, case_id):
     if batch > 1:
         seq_lens[1] = 1
     check_fp8(backend, Case(seq_lens, [1] * batch, h, hkv, d, bs, dtype, window, seed=case_id), ks, vs)
+
+
+# The tensor-core kernel over an fp8 cache (4-16 query heads per kv head, head_dim 64 and 128; two kv heads per
+# CTA in one-partition launches of up to 8 query heads per kv head, e.g. FP8_DECODE's batches of 64-256): its
+# split-K partitions with soft-capping and windows, queries outside fp16's range (its MMAs are f16: a bf16 query
+# is scaled by a power of 2 first), and CUDA graph replays.
+# (heads, kv_heads, head_dim, dtype, window, softcap, partition tokens)
+FP8_GROUP_SPLIT = [
+    (32, 8, 128, torch.bfloat16, None, 3.0, 64),
+    (16, 1, 64, torch.float16, 300, None, 32),
+    (24, 2, 128, torch.bfloat16, 500, 3.0, 64),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case_id", range(len(FP8_GROUP_SPLIT)))
+def test_fp8_group_decode_split_partitions_with_softcap_and_windows(backend, monkeypatch, case_id):
+    from test_cuda_kernels import Case
+    from test_split_k_decode import counters_are_zero, force_partitions
+
+    h, hkv, d, dtype, window, softcap, size = FP8_GROUP_SPLIT[case_id]
+    force_partitions(monkeypatch, backend, size)
+    rng = random.Random(7000 + case_id)
+    seq_lens = [1, size, size + 1, 2500] + [rng.randint(1, 2500) for _ in range(12)]
+    case = Case(seq_lens, [1] * len(seq_lens), h, hkv, d, 16, dtype, window, pad_rows=3, seed=7000 + case_id,
+                softcap=softcap)
+    if softcap:
+        case.scale = 0.5  # large raw scores: the cap matters
+    check_fp8(backend, case, 0.5, 2.0)
+    assert counters_are_zero(backend), "a launch left a split-K counter nonzero"
+
+
+@gpu
+@pytest.mark.parametrize("factor", [2.0 ** 17, 2.0 ** -24], ids=["past-fp16-max", "below-fp16-normals"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_group_decode_takes_bf16_queries_outside_the_fp16_range(backend, factor, d):
+    from test_cuda_kernels import Case
+
+    # the same scores as unscaled queries: any query value lost to f16 overflow (inf) or underflow shows; 64 rows:
+    # one partition (two kv heads per CTA)
+    rng = random.Random(41)
+    case = Case([3000, 1, 700, 64] + [rng.randint(1, 1500) for _ in range(60)], [1] * 64, 32, 8, d, 16,
+                torch.bfloat16, seed=41)
+    case.q.mul_(factor)
+    case.scale /= factor
+    check_fp8(backend, case, 1.0, 1.0)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [10, 64], ids=["split", "one-partition"])
+def test_fp8_group_decode_graph_replays_match_eager_launches(backend, rows):
+    from test_cuda_kernels import Case
+    from gpu_support import captured
+
+    rng = random.Random(13)
+    case = Case([rng.randint(1, 3000) for _ in range(rows - 1)] + [1], [1] * rows, 32, 8, 128, 16, torch.bfloat16,
+                seed=13)
+    cache = check_fp8(backend, case, 0.5, 1.0)
+    graph, out = captured(lambda: backend.attend(case.q, cache, case.md, case.scale, None, None, 0.5, 1.0))
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    for _ in range(3):
+        case.q.copy_(torch.randn(case.q.shape, generator=gen, device="cuda").to(case.q.dtype))
+        graph.replay()
+        eager = backend.attend(case.q, cache, case.md, case.scale, None, None, 0.5, 1.0)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "a replay differs from an eager launch"
 
 
 # (context lens, chunk lens, heads, kv_heads, head_dim, block_size, dtype, window, k_scale, v_scale); a context
