@@ -8,7 +8,7 @@ copies to exceed the 60 MB L2 (as a decode step meets its weights: cold), median
 counts the weight bytes. The last column is the largest difference from a float64 reference over the output's RMS, for
 both (bf16 output rounding alone is up to ~4e-3 of a value).
 
-    python benchmarks/linear.py [--reps 20]
+    python benchmarks/linear.py [--reps 20] [--shapes qwen3-0.6b,llama-3.2-1b]
 """
 from __future__ import annotations
 
@@ -73,14 +73,16 @@ def bench(n: int, k: int, m: int, reps: int, gen: torch.Generator) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     args = ap.parse_args()
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     from pagednb.kernels import load_error, load_kernels
     if load_kernels() is None:
         raise SystemExit(f"CUDA kernels unavailable: {load_error()}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     res: dict = {}
     rows = []
-    for shape, dims in SHAPES.items():
+    for shape, dims in shapes.items():
         for name, (n, k) in projections(*dims).items():
             for m in ROWS:
                 r = res[f"{shape}/{name}/M{m}"] = bench(n, k, m, args.reps, gen)
@@ -90,7 +92,7 @@ def main() -> None:
     layers = {"qwen3-0.6b": 28, "llama-3.2-1b": 16}
     # one decode step's GEMMs: the 4 layer projections x layers + the LM head, as linear() runs them
     per_step = {}
-    for shape in SHAPES:
+    for shape in shapes:
         for m in ROWS:
             step = {"linear_us": 0.0, "gemv_everywhere_us": 0.0, "cublas_us": 0.0}
             for p in ("qkv", "o", "gate_up", "down", "lm_head"):

@@ -165,7 +165,6 @@ struct QkCfg {
 
 template <typename T, int D, bool NORM>
 __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
-  PAGEDNB_PDL_ENTER();
   using C = QkCfg<T, D>;
   constexpr int VEC = C::VEC, LANES = C::LANES, E = C::E, NV = C::NV;
   const bool write_cache = a.v != nullptr;
@@ -184,6 +183,24 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
                 : static_cast<T*>(a.k) + tok * a.k_stride_tok + (int64_t)kvh * a.k_stride_head;
   p += lane * E;
 
+  // Before the wait, so that only q/k/v's own load is left on the path after it (at batch 1 this kernel is one
+  // link of a chain of launches): the norm weights (no kernel writes them), the token's cache slot (a host
+  // copy) and its cos/sin rows (looked up by torch kernels at the start of the forward, complete before the
+  // step's first PDL kernel started: common.cuh's rule 1, as decode.cuh reads its metadata).
+  const bool rotated = valid && !is_v;
+  const T* w = static_cast<const T*>(is_q ? a.q_weight : a.k_weight) + lane * E;
+  float wv[E], c[E], s[E];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (NORM && rotated) ldg_vec(w + j * VEC, wv + j * VEC);
+    if (rotated) {
+      ldg_vec(static_cast<const T*>(a.cos) + tok * a.cos_sin_stride + lane * E + j * VEC, c + j * VEC);
+      ldg_vec(static_cast<const T*>(a.sin) + tok * a.cos_sin_stride + lane * E + j * VEC, s + j * VEC);
+    }
+  }
+  const int64_t slot = valid && write_cache && !is_q ? __ldg(a.slots + tok) : -1;
+  PAGEDNB_PDL_ENTER();
+
   float v[E];
   if (valid) {
 #pragma unroll
@@ -200,18 +217,12 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
 #pragma unroll
     for (int o = LANES / 2; o > 0; o >>= 1) ss = add(ss, __shfl_xor_sync(0xffffffffu, ss, o));
     const float scale = rsqrtf(add(mul(ss, 1.0f / D), a.eps));  // D: a power of two, 1/D exact
-    if (valid && !is_v) {
-      const T* w = static_cast<const T*>(is_q ? a.q_weight : a.k_weight) + lane * E;
+    if (rotated) {
 #pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        float wv[VEC];
-        ldg_vec(w + j * VEC, wv);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          float& x = v[j * VEC + e];
-          x = round_to<T>(a.style.in_float32 ? mul(mul(x, scale), add(wv[e], a.style.offset))
-                                             : mul(wv[e], round_to<T>(mul(x, scale))));
-        }
+      for (int e = 0; e < E; ++e) {
+        float& x = v[e];
+        x = round_to<T>(a.style.in_float32 ? mul(mul(x, scale), add(wv[e], a.style.offset))
+                                           : mul(wv[e], round_to<T>(mul(x, scale))));
       }
     }
   }
@@ -224,7 +235,6 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
     rot[e] = low_half ? -other : other;
   }
   if (!valid) return;
-  const int64_t slot = write_cache && !is_q ? __ldg(a.slots + tok) : -1;
   // the element offset of this lane's part of the row in the cache (an fp8 cache: 1 byte per element,
   // stored fp8(x / scale) 8 bytes per 16-byte vector of T)
   const int64_t cached_at = (is_v ? a.cache_v_offset : 0) + (slot * a.num_kv_heads + kvh) * D + lane * E;
@@ -239,16 +249,12 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
     }
     return;
   }
-  const T* cos_row = static_cast<const T*>(a.cos) + tok * a.cos_sin_stride + lane * E;
-  const T* sin_row = static_cast<const T*>(a.sin) + tok * a.cos_sin_stride + lane * E;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    float c[VEC], s[VEC], o[VEC];
-    ldg_vec(cos_row + j * VEC, c);
-    ldg_vec(sin_row + j * VEC, s);
+    float o[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
-      o[e] = add(round_to<T>(mul(v[j * VEC + e], c[e])), round_to<T>(mul(rot[j * VEC + e], s[e])));
+      o[e] = add(round_to<T>(mul(v[j * VEC + e], c[j * VEC + e])), round_to<T>(mul(rot[j * VEC + e], s[j * VEC + e])));
     store_vec(p + j * VEC, o);
     if (cached != nullptr) store_vec(cached + j * VEC, o);
     if (cached8 != nullptr) {  // k as stored in the model's dtype, then quantised (the reference's order)

@@ -7,10 +7,12 @@
 // Layout: a CTA of 4 warps. K is cut into chunks of 256 elements (32 lanes x 8, 16 bytes per lane).
 // Wide matrices (N >= 4096: the fused qkv and gate/up projections, the LM head): each warp owns R whole
 // weight rows and walks all their chunks, U chunks' loads issued before their math. Narrow ones
-// (o_proj, down_proj: too few rows to fill the GPU otherwise): the 4 warps share one row and take
-// every 4th chunk. Each lane accumulates in float32; a warp then reduces its M x R sums across lanes
-// with a reduce-scatter butterfly (31 shuffles for 32 sums instead of 160), ending with one total per
-// lane group; the 4 warps of a shared row add their totals in warp order.
+// (o_proj, down_proj: too few rows to fill the GPU otherwise): the 4 warps share two rows and take
+// every 4th chunk (two rows rather than one: half the CTAs, holding 2/3 of the register file rather than
+// all of it for Qwen3-0.6B's o and down at batch 1, so the next kernel's CTAs find room to start their
+// weight loads before this one ends). Each lane accumulates in float32; a warp then reduces its M x R sums
+// across lanes with a reduce-scatter butterfly (31 shuffles for 32 sums instead of 160), ending with one
+// total per lane group; the 4 warps of a shared row add their totals in warp order.
 //
 // Input (GemvInput): x itself, or RMSNorm(x + residual) (a block's first projection without the norm's
 // launch): every CTA adds and normalises the 1-2 input rows itself into shared memory (a 1024-wide row is
@@ -24,8 +26,11 @@
 // not, a layer gives the same bits.
 //
 // Programmatic dependent launch (common.cuh): the weights are read by no earlier kernel's writes, so each
-// warp issues its first group of weight loads (for a 1024-wide or a narrow weight: all of its share)
-// before pdl_wait(); the weight stream then starts while the kernel before it is still finishing.
+// warp issues its first group of weight loads (for a 1024-wide or a narrow weight: all of its share), and
+// each thread its norm-weight vectors, before pdl_wait(); the weight stream then starts while the kernel
+// before it is still finishing. After the wait a batch-1 launch is a chain of latencies (the kernel after
+// it waits for all of it), so each step past the wait costs one round trip to L2 at most: x and the
+// residual are loaded together, and x's vectors for all of a warp's chunks before the first is used.
 //
 // Numerics: float32 accumulation, one rounding to the output dtype (as cuBLAS), bias added in float32
 // before it. The order of the additions for one output element depends only on N and K (which layout,
@@ -100,8 +105,35 @@ __device__ __forceinline__ float butterfly_sum(float v) {
   return v;
 }
 
+// Norm-weight vectors a thread loads before pdl_wait() (its vectors threadIdx.x + 128 p): all of them up to
+// K = 2048 (Qwen3-0.6B's 1024, Llama-3.2-1B's 2048), so no L2 round trip for them is left after the wait.
+constexpr int kNormPreload = 2;
+
+// The thread's first kNormPreload norm-weight vectors (zeros past K); no kernel writes weights.
+template <typename T>
+__device__ __forceinline__ void preload_norm_weight(const GemvArgs& a, uint4 (&nw)[kNormPreload]) {
+#pragma unroll
+  for (int p = 0; p < kNormPreload; ++p) {
+    const int i = threadIdx.x + p * kGemvWarps * 32;
+    nw[p] = i < a.K / 8 ? ldg16(static_cast<const T*>(a.norm_weight) + i * 8) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Vector i (8 elements) of a normalised row in xs: scaled, the weight vector wv applied as NormWeight says.
+template <typename T>
+__device__ __forceinline__ void apply_norm_weight(const GemvArgs& a, T* row, int i, float scale, uint4 wv) {
+  float v[8], w[8];
+  Elem<T>::unpack(*reinterpret_cast<const uint4*>(row + i * 8), v);
+  Elem<T>::unpack(wv, w);
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    v[e] = a.norm_style.in_float32 ? __fmul_rn(__fmul_rn(v[e], scale), __fadd_rn(w[e], a.norm_style.offset))
+                                   : __fmul_rn(w[e], round_to<T>(__fmul_rn(v[e], scale)));
+  store8(row + i * 8, v);
+}
+
 template <typename T, int MM>
-__device__ __forceinline__ void normalise_rows(const GemvArgs& a, T* xs) {
+__device__ __forceinline__ void normalise_rows(const GemvArgs& a, T* xs, const uint4 (&nw)[kNormPreload]) {
   __shared__ float partial[MM][kNormMaxThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nvec = a.K / 8;
   const int vthreads = rms_norm_cta(nvec).threads;
@@ -115,13 +147,20 @@ __device__ __forceinline__ void normalise_rows(const GemvArgs& a, T* xs) {
 #pragma unroll
     for (int j = 0; j < kNormVirtual; ++j) {
       const int vt = threadIdx.x + j * kGemvWarps * 32;
+      // warp-uniform (vthreads is whole warps); the virtual warps past it hold nothing, and their 5 dependent
+      // shuffles of a zero would still lie on the path to the barrier
+      if (vt >= vthreads) break;
       float ss = 0.f;
-      for (int i = vt; vt < vthreads && i < nvec; i += vthreads) {
+      for (int i = vt; i < nvec; i += vthreads) {
+        // both loads issued before either is used (one round trip, not two: a load behind the residual's
+        // test is not hoisted above the use of the one before it)
+        const uint4 xv = ldg16(x + i * 8);
+        const uint4 rv = a.residual != nullptr ? ldg16(res + i * 8) : make_uint4(0, 0, 0, 0);
         float v[8];
-        Elem<T>::unpack(ldg16(x + i * 8), v);
+        Elem<T>::unpack(xv, v);
         if (a.residual != nullptr) {
           float r[8];
-          Elem<T>::unpack(ldg16(res + i * 8), r);
+          Elem<T>::unpack(rv, r);
 #pragma unroll
           for (int e = 0; e < 8; ++e) v[e] = round_to<T>(__fadd_rn(v[e], r[e]));
           if (blockIdx.x == 0) store8(static_cast<T*>(a.residual_out) + (int64_t)m * a.K + i * 8, v);
@@ -136,28 +175,47 @@ __device__ __forceinline__ void normalise_rows(const GemvArgs& a, T* xs) {
     __syncthreads();
     const float total = butterfly_sum(lane < vthreads / 32 ? partial[m][lane] : 0.f);
     const float scale = rsqrtf(__fadd_rn(__fmul_rn(total, inv_n), a.eps));
-    for (int i = threadIdx.x; i < nvec; i += kGemvWarps * 32) {  // each vector read and rewritten by one thread
-      float v[8], w[8];
-      Elem<T>::unpack(*reinterpret_cast<const uint4*>(row + i * 8), v);
-      Elem<T>::unpack(ldg16(static_cast<const T*>(a.norm_weight) + i * 8), w);
+    // each vector read and rewritten by one thread: first those whose weight it holds, then any past them
 #pragma unroll
-      for (int e = 0; e < 8; ++e)
-        v[e] = a.norm_style.in_float32 ? __fmul_rn(__fmul_rn(v[e], scale), __fadd_rn(w[e], a.norm_style.offset))
-                                       : __fmul_rn(w[e], round_to<T>(__fmul_rn(v[e], scale)));
-      store8(row + i * 8, v);
+    for (int p = 0; p < kNormPreload; ++p) {
+      const int i = threadIdx.x + p * kGemvWarps * 32;
+      if (i < nvec) apply_norm_weight(a, row, i, scale, nw[p]);
     }
+    for (int i = threadIdx.x + kNormPreload * kGemvWarps * 32; i < nvec; i += kGemvWarps * 32)
+      apply_norm_weight(a, row, i, scale, ldg16(static_cast<const T*>(a.norm_weight) + i * 8));
   }
   __syncthreads();
 }
 
-// Elements k..k+7 of input row m: x's own, or (NORM) the normalised rows xs.
-template <typename T, bool NORM>
-__device__ __forceinline__ void load_input(const GemvArgs& a, const T* xs, int m, int k, float (&xf)[8]) {
-  if constexpr (NORM) {
-    Elem<T>::unpack(*reinterpret_cast<const uint4*>(xs + m * a.K + k), xf);
-  } else {
-    Elem<T>::unpack(ldg16(static_cast<const T*>(a.x) + (int64_t)m * a.x_stride + k), xf);
+// Where the input vectors come from. One row: held in registers, all of a group's kU chunks loaded before any
+// is used, so a warp waits for one round trip of x's loads (global memory, or the normalised row in shared
+// memory) rather than one per chunk: a load behind a chunk's bounds check is not hoisted above the math of the
+// chunk before it. Two rows: read where used (both rows' vectors would cost the narrow kernel resident CTAs).
+template <int MM>
+constexpr bool kHeldInputs = MM == 1;
+
+// Row 0's vectors for the kU chunks from c0 (every WK-th): x's own, or (NORM) the normalised row xs; zeros past K.
+template <typename T, int WK, bool NORM>
+__device__ __forceinline__ void load_inputs(const GemvArgs& a, const T* xs, int c0, int lane,
+                                            uint4 (&x)[kGemvUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    const int k = (c0 + u * WK) * kGemvChunk + lane * 8;
+    if (k >= a.K) {
+      x[u] = make_uint4(0, 0, 0, 0);
+    } else if constexpr (NORM) {
+      x[u] = *reinterpret_cast<const uint4*>(xs + k);
+    } else {
+      x[u] = ldg16(static_cast<const T*>(a.x) + k);
+    }
   }
+}
+
+// Elements k..k+7 of input row m where they are not held: x's own, or (NORM) the normalised rows xs.
+template <typename T, bool NORM>
+__device__ __forceinline__ uint4 input_at(const GemvArgs& a, const T* xs, int m, int k) {
+  if constexpr (NORM) return *reinterpret_cast<const uint4*>(xs + m * a.K + k);
+  return ldg16(static_cast<const T*>(a.x) + (int64_t)m * a.x_stride + k);
 }
 
 // WK warps share each group of R rows (WK = 1: a warp's own rows; WK = 4: all 4 warps on one row group).
@@ -182,14 +240,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
 
   uint4 w[kGemvUnroll][R];
   load_weights<T, R, WK>(wrow, a.K, ks, lane, w);  // before the wait: no kernel writes weights
-  if constexpr (NORM) {  // nor the norm's: on their way to L2 while the kernel before finishes
-    for (int i = threadIdx.x * 8; i < a.K; i += kGemvWarps * 32 * 8)
+  uint4 nw[kNormPreload];  // nor the norm's: in registers (any past them on their way to L2) before the wait
+  if constexpr (NORM) {
+    preload_norm_weight<T>(a, nw);
+    for (int i = (threadIdx.x + kNormPreload * kGemvWarps * 32) * 8; i < a.K; i += kGemvWarps * 32 * 8)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const T*>(a.norm_weight) + i));
   }
   pdl_launch_dependents();
   pdl_wait();
   T* xs = reinterpret_cast<T*>(gemv_smem);
-  if constexpr (NORM) normalise_rows<T, MM>(a, xs);
+  if constexpr (NORM) normalise_rows<T, MM>(a, xs, nw);
 
   float acc[V];
 #pragma unroll
@@ -198,6 +258,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
   const int nchunks = (a.K + kGemvChunk - 1) / kGemvChunk;
   for (int c0 = ks; c0 < nchunks; c0 += WK * kGemvUnroll) {
     if (c0 != ks) load_weights<T, R, WK>(wrow, a.K, c0, lane, w);
+    uint4 x[kGemvUnroll];
+    if constexpr (kHeldInputs<MM>) load_inputs<T, WK, NORM>(a, xs, c0, lane, x);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int k = (c0 + u * WK) * kGemvChunk + lane * 8;
@@ -209,7 +271,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvArgs a)
       for (int m = 0; m < MM; ++m) {
         if (m < a.M) {
           float xf[8];
-          load_input<T, NORM>(a, xs, m, k, xf);
+          Elem<T>::unpack(kHeldInputs<MM> ? x[u] : input_at<T, NORM>(a, xs, m, k), xf);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -260,9 +322,9 @@ int launch_gemv_shape(const GemvArgs& a, cudaStream_t st) {
 template <typename T, int MM, bool NORM, int GATE>
 int launch_gemv_rows(const GemvArgs& a, cudaStream_t st) {
   // the layout depends on N only (never on M), so a row's sums are the same for every batch size, and a
-  // gated pair's are those of the same rows unfused (two rows per group or one: the same per-row order)
+  // gated pair's are those of the same rows unfused
   if (a.N >= 4096) return launch_gemv_shape<T, MM, 2, 1, NORM, GATE>(a, st);
-  return launch_gemv_shape<T, MM, GATE != kGemvUngated ? 2 : 1, 4, NORM, GATE>(a, st);
+  return launch_gemv_shape<T, MM, 2, 4, NORM, GATE>(a, st);
 }
 
 template <typename T, bool NORM, int GATE>

@@ -29,6 +29,9 @@
 // total weight is NaN exactly when some logit is NaN or +inf, and 0 exactly when all are -inf. The
 // engine reads the flag in the copy of the tokens it makes anyway; every other token is in [0, V).
 //
+// A few rows of a large vocabulary (a batch-1 step) spread step 1 over a cluster of CTAs per row instead
+// (sample_temperature_sliced_kernel): one CTA's warps would take ~9 chunks each, one after another.
+//
 // Cost per row: one coalesced read of the row (four logits per load when the row start, stride and length
 // allow it, else one), one more read of one chunk (4 KiB), 8 bytes of shared
 // memory per chunk, one barrier. 16 warps per CTA, two CTAs per SM (<= 64 registers), so a batch of
@@ -38,6 +41,8 @@
 // boundary.
 #include <climits>
 #include <type_traits>
+
+#include <cooperative_groups.h>
 
 #include "common.cuh"
 #include "launchers.h"
@@ -189,49 +194,39 @@ __device__ __forceinline__ int pick_in_chunk(const L* __restrict__ row, int voca
   return __shfl_sync(0xffffffffu, token, src);
 }
 
+// Step 1 for chunk c (one warp): (m_c, s_c), s_c NaN when the chunk holds a NaN.
 template <typename L, int VEC>
-__global__ void __launch_bounds__(kSampleWarps * 32, 2)
-    sample_temperature_kernel(const L* __restrict__ logits, int64_t row_stride, const float* __restrict__ temperature,
-                              int64_t t_stride, const float* __restrict__ uniforms, int64_t u_stride,
-                              int64_t* __restrict__ out, int vocab) {
-  PAGEDNB_PDL_ENTER();
-  constexpr int CH = ChunkCfg<VEC>::kSize;
-  extern __shared__ float2 stats[];  // [nchunks] (m_c, s_c)
-  const int64_t r = blockIdx.x;
-  const L* row = logits + r * row_stride;
-  const float scale = __fdiv_rn(kLog2e, temperature[r * t_stride]);
-  const int nchunks = (vocab + CH - 1) / CH;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-
-  // ---- 1. per-chunk max and sum of 2^(y - m_c) --------------------------------------------------------
-  for (int c = warp; c < nchunks; c += nwarps) {
-    float y[kUnroll][VEC];
-    load_chunk<L, VEC>(row, vocab, c * CH, scale, lane, y);
-    float mc = -INFINITY;  // fmaxf skips NaN
+__device__ __forceinline__ float2 chunk_stats(const L* __restrict__ row, int vocab, int c, float scale, int lane) {
+  float y[kUnroll][VEC];
+  load_chunk<L, VEC>(row, vocab, c * ChunkCfg<VEC>::kSize, scale, lane, y);
+  float mc = -INFINITY;  // fmaxf skips NaN
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) mc = fmaxf(mc, y[k][e]);
+  mc = warp_max(mc);
+  float s = 0.f;
+  if (mc > -INFINITY) {  // warp-uniform; a chunk of -inf (or past nothing) has no weight
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) mc = fmaxf(mc, y[k][e]);
-    mc = warp_max(mc);
-    float s = 0.f;
-    if (mc > -INFINITY) {  // warp-uniform; a chunk of -inf (or past nothing) has no weight
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) s += fast_exp2(y[k][e] - mc);
-      s = warp_sum(s);
-    }
-    bool has_nan = false;
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) has_nan |= y[k][e] != y[k][e];
-    if (__any_sync(0xffffffffu, has_nan)) s = __int_as_float(0x7fc00000);  // quiet NaN: the row is flagged
-    if (lane == 0) stats[c] = make_float2(mc, s);
+      for (int e = 0; e < VEC; ++e) s += fast_exp2(y[k][e] - mc);
+    s = warp_sum(s);
   }
-  __syncthreads();
-  if (warp != 0) return;
+  bool has_nan = false;
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) has_nan |= y[k][e] != y[k][e];
+  if (__any_sync(0xffffffffu, has_nan)) s = __int_as_float(0x7fc00000);  // quiet NaN: the row is flagged
+  return make_float2(mc, s);
+}
 
+// Steps 2 and 3 (one warp, every chunk's stats in shared memory): the row's token, or -1 for a row with no
+// valid distribution. u (the row's uniform) is read only for a valid row.
+template <typename L, int VEC>
+__device__ __forceinline__ int64_t draw_token(const L* __restrict__ row, int vocab, const float2* stats, int nchunks,
+                                              float scale, const float* u_ptr, int lane) {
   // ---- 2. the chunk where the running sum reaches the target ----------------------------------------------
   float m = -INFINITY;
   for (int c = lane; c < nchunks; c += 32) m = fmaxf(m, stats[c].x);
@@ -245,12 +240,8 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
   if (lane == 0) excl = 0.f;
   // the total is the last chunk's running sum exactly as the sweep below forms it (its lane's last)
   const float total = __shfl_sync(0xffffffffu, excl + seg, (nchunks - 1) / per);
-  if (!(total > 0.f)) {  // warp-uniform: NaN (a NaN or +inf logit) or 0 (all -inf): no valid distribution
-    if (lane == 0) out[r] = -1;
-    return;
-  }
-  const float u = uniforms[r * u_stride];
-  const float target = (1.f - u) * total;
+  if (!(total > 0.f)) return -1;  // warp-uniform: NaN (a NaN or +inf logit) or 0 (all -inf)
+  const float target = (1.f - *u_ptr) * total;
 
   int hit = -1, last = -1;
   double frac = 1.0;  // where the target lies within the hit chunk's weight
@@ -281,18 +272,121 @@ __global__ void __launch_bounds__(kSampleWarps * 32, 2)
   }
 
   // ---- 3. the token inside the chunk ------------------------------------------------------------------------
-  const int token = pick_in_chunk<L, VEC>(row, vocab, chunk * CH, scale, stats[chunk].x, frac, lane);
-  if (lane == 0) out[r] = min(max(token, 0), vocab - 1);
+  const int token = pick_in_chunk<L, VEC>(row, vocab, chunk * ChunkCfg<VEC>::kSize, scale, stats[chunk].x, frac, lane);
+  return min(max(token, 0), vocab - 1);
+}
+
+template <typename L, int VEC>
+__global__ void __launch_bounds__(kSampleWarps * 32, 2)
+    sample_temperature_kernel(const L* __restrict__ logits, int64_t row_stride, const float* __restrict__ temperature,
+                              int64_t t_stride, const float* __restrict__ uniforms, int64_t u_stride,
+                              int64_t* __restrict__ out, int vocab) {
+  PAGEDNB_PDL_ENTER();
+  extern __shared__ float2 stats[];  // [nchunks] (m_c, s_c)
+  const int64_t r = blockIdx.x;
+  const L* row = logits + r * row_stride;
+  const float scale = __fdiv_rn(kLog2e, temperature[r * t_stride]);
+  const int nchunks = (vocab + ChunkCfg<VEC>::kSize - 1) / ChunkCfg<VEC>::kSize;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  for (int c = warp; c < nchunks; c += nwarps) {
+    const float2 st = chunk_stats<L, VEC>(row, vocab, c, scale, lane);
+    if (lane == 0) stats[c] = st;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int64_t token = draw_token<L, VEC>(row, vocab, stats, nchunks, scale, uniforms + r * u_stride, lane);
+  if (lane == 0) out[r] = token;
+}
+
+// A few rows of a large vocabulary (a batch-1 step: 149 chunks, ~9 a warp one after another on one SM): the
+// chunks of row blockIdx.y are spread over a cluster of kSampleSlices CTAs (chunk c to CTA (c / warps) %
+// kSampleSlices), rank 0 gathers their stats through distributed shared memory and draws as the one-CTA kernel
+// does, from the same stats: the same token.
+constexpr int kSampleSlices = 8;  // a portable cluster size
+constexpr int kSampleSlicedMaxRows = 16;
+constexpr int kSampleSlicedMinChunks = 4 * kSampleSlices;
+
+template <typename L, int VEC>
+__global__ void __launch_bounds__(kSampleWarps * 32, 2)
+    sample_temperature_sliced_kernel(const L* __restrict__ logits, int64_t row_stride,
+                                     const float* __restrict__ temperature, int64_t t_stride,
+                                     const float* __restrict__ uniforms, int64_t u_stride, int64_t* __restrict__ out,
+                                     int vocab) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  PAGEDNB_PDL_ENTER();
+  extern __shared__ float2 stats[];  // [nchunks]: this CTA's chunks; rank 0's ends up with all of them
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int64_t r = blockIdx.y;
+  const L* row = logits + r * row_stride;
+  const float scale = __fdiv_rn(kLog2e, temperature[r * t_stride]);
+  const int nchunks = (vocab + ChunkCfg<VEC>::kSize - 1) / ChunkCfg<VEC>::kSize;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  for (int c = blockIdx.x * nwarps + warp; c < nchunks; c += kSampleSlices * nwarps) {
+    const float2 st = chunk_stats<L, VEC>(row, vocab, c, scale, lane);
+    if (lane == 0) stats[c] = st;
+  }
+  cluster.sync();  // every CTA's stats written
+  if (blockIdx.x == 0) {
+    for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
+      const int owner = (c / nwarps) % kSampleSlices;
+      if (owner != 0) stats[c] = *cluster.map_shared_rank(&stats[c], owner);
+    }
+  }
+  cluster.sync();  // rank 0 holds them all (and has read the others' shared memory: they may go)
+  if (blockIdx.x != 0 || warp != 0) return;
+  const int64_t token = draw_token<L, VEC>(row, vocab, stats, nchunks, scale, uniforms + r * u_stride, lane);
+  if (lane == 0) out[r] = token;
+#endif
+}
+
+// Whether the device takes thread-block clusters (sm_90 on): the sliced kernels' condition.
+bool clusters_supported() {
+  static const bool on = [] {
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, st>>>(args...) as clusters of `slices` CTAs along x (and PDL as launch_pdl).
+template <typename... Params, typename... Args>
+int launch_clusters(void (*kernel)(Params...), int slices, dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                    Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = slices;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 template <typename L, int VEC>
 int launch_sample_vec(const SampleArgs& a, cudaStream_t st) {
   const int nchunks = (a.vocab + ChunkCfg<VEC>::kSize - 1) / ChunkCfg<VEC>::kSize;
   if (nchunks > kMaxSampleChunks) return -1;
+  const size_t smem = nchunks * sizeof(float2);
+  const L* logits = static_cast<const L*>(a.logits);
+  if (a.rows <= kSampleSlicedMaxRows && nchunks >= kSampleSlicedMinChunks && clusters_supported()) {
+    const int per_cta = (nchunks + kSampleSlices - 1) / kSampleSlices;
+    const int warps = per_cta < kSampleWarps ? per_cta : kSampleWarps;
+    return launch_clusters(sample_temperature_sliced_kernel<L, VEC>, kSampleSlices, dim3(kSampleSlices, a.rows),
+                           dim3(warps * 32), smem, st, logits, a.row_stride, a.temperature, a.t_stride, a.uniforms,
+                           a.u_stride, a.out, a.vocab);
+  }
   const int warps = nchunks < kSampleWarps ? nchunks : kSampleWarps;
-  return launch_pdl(sample_temperature_kernel<L, VEC>, dim3(a.rows), dim3(warps * 32), nchunks * sizeof(float2), st,
-                    static_cast<const L*>(a.logits), a.row_stride, a.temperature, a.t_stride, a.uniforms, a.u_stride,
-                    a.out, a.vocab);
+  return launch_pdl(sample_temperature_kernel<L, VEC>, dim3(a.rows), dim3(warps * 32), smem, st, logits, a.row_stride,
+                    a.temperature, a.t_stride, a.uniforms, a.u_stride, a.out, a.vocab);
 }
 
 template <typename L>
@@ -306,11 +400,20 @@ int launch_sample_dtype(const SampleArgs& a, cudaStream_t st) {
 // ---- greedy: the argmax and the validity flag in one launch ----------------------------------------------
 // The first index of the row's max logit (torch's tie rule for max and argmax), or -1 where the row has no
 // valid distribution: a NaN or +inf logit, or every logit -inf (in torch: max, isfinite and where, three
-// launches after the step's graph). One CTA per row; each thread visits its tokens in increasing order,
-// kGreedyLoads vectors in flight, keeping its first max (strict >); the CTA then keeps the larger value, the
-// smaller index on a tie. Exact: a 16-bit logit's conversion to float32 is exact and nothing is rounded.
-constexpr int kGreedyThreads = 1024;
+// launches after the step's graph). Each thread visits its tokens in increasing order, kGreedyLoads vectors
+// in flight, keeping its first max (strict >); a reduction then keeps the larger value, the smaller index on
+// a tie. Exact: a 16-bit logit's conversion to float32 is exact and nothing is rounded, so how the row is
+// split never changes the answer.
+// Many rows: one CTA per row. A few rows of a large vocabulary (a batch-1 step: 152k logits): one CTA per row
+// read its ~300 KB in 5 dependent rounds of loads on one SM, so each row is cut into kGreedySlices contiguous
+// slices, one CTA each, forming a thread-block cluster (sm_90); rank 0 merges the slices' results through
+// distributed shared memory, in slice order. No workspace and no counter: nothing outlives the launch, so it
+// replays in a CUDA graph as it runs eagerly.
+constexpr int kGreedyThreads = 1024;  // 32 warps: a warp reduces their 32 results
 constexpr int kGreedyLoads = 4;
+constexpr int kGreedySlices = 8;  // a portable cluster size
+constexpr int kGreedySlicedMaxRows = 16;  // 128 CTAs: one wave on an H100/H200
+constexpr int kGreedySlicedMinVocab = kGreedySlices * kGreedyThreads * 2;  // slices of >= 2048 tokens
 
 template <typename L, int VEC>
 __device__ __forceinline__ void load_logits(const L* __restrict__ row, int j, float (&l)[VEC]) {
@@ -327,22 +430,23 @@ __device__ __forceinline__ void keep_max(float& v, int& j, float ov, int oj) {
   if (ov > v || (ov == v && oj < j)) { v = ov; j = oj; }
 }
 
+__device__ __forceinline__ void warp_keep_max(float& v, int& j) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    keep_max(v, j, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, j, o));
+}
+
+// This thread's first max over tokens [begin, end) (begin and end multiples of VEC, or end the row's end), and
+// whether it met a NaN or +inf; best_j stays INT_MAX when all it met was -inf.
 template <typename L, int VEC>
-__global__ void __launch_bounds__(kGreedyThreads) greedy_kernel(const L* __restrict__ logits, int64_t row_stride,
-                                                                int64_t* __restrict__ out, int vocab) {
-  PAGEDNB_PDL_ENTER();
-  __shared__ float s_v[kGreedyThreads / 32];
-  __shared__ int s_j[kGreedyThreads / 32];
-  const L* row = logits + (int64_t)blockIdx.x * row_stride;
+__device__ __forceinline__ void scan_argmax(const L* __restrict__ row, int begin, int end, float& best, int& best_j,
+                                            bool& bad) {
   constexpr int kStride = kGreedyThreads * VEC;
-  float best = -INFINITY;
-  int best_j = INT_MAX;  // stays so for a row of -inf
-  bool bad = false;      // a NaN or +inf logit
-  for (int j0 = threadIdx.x * VEC; j0 < vocab; j0 += kGreedyLoads * kStride) {
+  for (int j0 = begin + threadIdx.x * VEC; j0 < end; j0 += kGreedyLoads * kStride) {
     float l[kGreedyLoads][VEC];
 #pragma unroll
     for (int i = 0; i < kGreedyLoads; ++i) {
-      if (j0 + i * kStride < vocab) {
+      if (j0 + i * kStride < end) {
         load_logits<L, VEC>(row, j0 + i * kStride, l[i]);
       } else {
 #pragma unroll
@@ -358,19 +462,88 @@ __global__ void __launch_bounds__(kGreedyThreads) greedy_kernel(const L* __restr
         if (v > best) { best = v; best_j = j0 + i * kStride + e; }
       }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    keep_max(best, best_j, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_j, o));
+}
+
+// The CTA's first max, in every lane of warp 0; returns whether any thread met a bad logit (to every thread).
+__device__ __forceinline__ bool cta_argmax(float& best, int& best_j, bool bad) {
+  __shared__ float s_v[kGreedyThreads / 32];
+  __shared__ int s_j[kGreedyThreads / 32];
+  warp_keep_max(best, best_j);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) { s_v[warp] = best; s_j[warp] = best_j; }
   bad = __syncthreads_or(bad);  // also the barrier before s_v is read
-  if (warp != 0) return;
-  best = lane < kGreedyThreads / 32 ? s_v[lane] : -INFINITY;
-  best_j = lane < kGreedyThreads / 32 ? s_j[lane] : INT_MAX;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    keep_max(best, best_j, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_j, o));
-  if (lane == 0) out[blockIdx.x] = bad || best_j == INT_MAX ? -1 : best_j;
+  if (warp == 0) {
+    best = s_v[lane];  // one per warp: kGreedyThreads / 32 == 32
+    best_j = s_j[lane];
+    warp_keep_max(best, best_j);
+  }
+  return bad;
+}
+
+template <typename L, int VEC>
+__global__ void __launch_bounds__(kGreedyThreads) greedy_kernel(const L* __restrict__ logits, int64_t row_stride,
+                                                                int64_t* __restrict__ out, int vocab) {
+  PAGEDNB_PDL_ENTER();
+  float best = -INFINITY;
+  int best_j = INT_MAX;
+  bool bad = false;
+  scan_argmax<L, VEC>(logits + (int64_t)blockIdx.x * row_stride, 0, vocab, best, best_j, bad);
+  bad = cta_argmax(best, best_j, bad);
+  if (threadIdx.x == 0) out[blockIdx.x] = bad || best_j == INT_MAX ? -1 : best_j;
+}
+
+// Row blockIdx.y, slice blockIdx.x (the CTA's rank in its cluster) of `slice` tokens.
+template <typename L, int VEC>
+__global__ void __launch_bounds__(kGreedyThreads) greedy_sliced_kernel(const L* __restrict__ logits,
+                                                                       int64_t row_stride, int64_t* __restrict__ out,
+                                                                       int vocab, int slice) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  PAGEDNB_PDL_ENTER();
+  __shared__ float c_v;  // this slice's result, read by rank 0
+  __shared__ int c_j, c_bad;
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int begin = blockIdx.x * slice;
+  float best = -INFINITY;
+  int best_j = INT_MAX;
+  bool bad = false;
+  scan_argmax<L, VEC>(logits + (int64_t)blockIdx.y * row_stride, begin, min(vocab, begin + slice), best, best_j, bad);
+  bad = cta_argmax(best, best_j, bad);
+  if (threadIdx.x == 0) { c_v = best; c_j = best_j; c_bad = bad; }
+  cluster.sync();  // every slice's result written
+  const int lane = threadIdx.x & 31;
+  if (blockIdx.x == 0 && threadIdx.x < 32) {
+    best = -INFINITY;
+    best_j = INT_MAX;
+    bad = false;
+    if (lane < kGreedySlices) {
+      best = *cluster.map_shared_rank(&c_v, lane);
+      best_j = *cluster.map_shared_rank(&c_j, lane);
+      bad = *cluster.map_shared_rank(&c_bad, lane) != 0;
+    }
+    warp_keep_max(best, best_j);
+    bad = __any_sync(0xffffffffu, bad);
+    if (lane == 0) out[blockIdx.y] = bad || best_j == INT_MAX ? -1 : best_j;
+  }
+  cluster.sync();  // rank 0 has read them: the other CTAs' shared memory may go
+#endif
+}
+
+template <typename L, int VEC>
+int launch_greedy_sliced(const GreedyArgs& a, cudaStream_t st) {
+  const int per_slice = (a.vocab + kGreedySlices - 1) / kGreedySlices;
+  const int slice = (per_slice + VEC - 1) / VEC * VEC;
+  return launch_clusters(greedy_sliced_kernel<L, VEC>, kGreedySlices, dim3(kGreedySlices, a.rows),
+                         dim3(kGreedyThreads), 0, st, static_cast<const L*>(a.logits), a.row_stride, a.out, a.vocab,
+                         slice);
+}
+
+template <typename L, int VEC>
+int launch_greedy_vec(const GreedyArgs& a, cudaStream_t st) {
+  if (a.rows <= kGreedySlicedMaxRows && a.vocab >= kGreedySlicedMinVocab && clusters_supported())
+    return launch_greedy_sliced<L, VEC>(a, st);
+  return launch_pdl(greedy_kernel<L, VEC>, dim3(a.rows), dim3(kGreedyThreads), 0, st, static_cast<const L*>(a.logits),
+                    a.row_stride, a.out, a.vocab);
 }
 
 template <typename L>
@@ -378,13 +551,8 @@ int launch_greedy_dtype(const GreedyArgs& a, cudaStream_t st) {
   // 16-byte loads when the row start, stride and length allow them
   constexpr int VEC = Elem<L>::kVec;
   const bool vec = reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && a.row_stride % VEC == 0 && a.vocab % VEC == 0;
-  const L* logits = static_cast<const L*>(a.logits);
-  return vec ? launch_pdl(greedy_kernel<L, VEC>, dim3(a.rows), dim3(kGreedyThreads), 0, st, logits, a.row_stride,
-                          a.out, a.vocab)
-             : launch_pdl(greedy_kernel<L, 1>, dim3(a.rows), dim3(kGreedyThreads), 0, st, logits, a.row_stride,
-                          a.out, a.vocab);
+  return vec ? launch_greedy_vec<L, VEC>(a, st) : launch_greedy_vec<L, 1>(a, st);
 }
-
 
 // ---- grammar bitmask: -inf where a structured-output grammar disallows a token --------------------------------
 // Token t is bit t % 32 of word t / 32 of its row's int32 bitmask (xgrammar's layout), 1 = allowed. In place, one

@@ -11,12 +11,17 @@ float rounding only), for V = 37, 1000, 151936 and strided rows; 200k draws foll
 -inf logits are never chosen, u = 0 and u -> 1 pick the last and first tokens of nonzero weight,
 rows with NaN, +inf or only -inf logits (or an overflow of l / T) are flagged with -1 and change
 nothing for the other rows; a row's token does not depend on its batch; a CUDA graph replays the
-eager result; and the sampler draws the same tokens for seeded rows with or without the kernel.
+eager result; and the sampler draws the same tokens for seeded rows with or without the kernel. Up to 16
+rows of a large vocabulary run on the sliced kernel (a cluster of CTAs a row): the same draws (a row alone,
+on the cluster, against the same row in a batch of 24 on one CTA), and the cases above at 1-16 rows.
 
 The greedy kernel (`sampling_kernel.greedy`, the sampler's greedy rows): on CPU it declines and the
 sampler's torch path runs; on a GPU its token is torch's `max` index (the first of tied maxima) for
 float32, bf16 and fp16 rows, dense, strided and unaligned, and -1 exactly where torch's max is not finite
-(NaN, +inf, all -inf), row by row; it replays in a CUDA graph.
+(NaN, +inf, all -inf), row by row; it replays in a CUDA graph. A few rows of a large vocabulary (a batch-1
+step) go through the sliced kernel (a cluster of CTAs per row, merged in slice order): ties on both sides of
+the slice boundaries, a max in the last slice, a bad logit in any one slice, at 1-17 rows (both kernels), in
+a CUDA graph at batch 1.
 """
 from __future__ import annotations
 
@@ -230,9 +235,9 @@ def _draw(kernel, logits, temperature, u):
 @gpu
 @pytest.mark.parametrize("vocab", [37, 1000, 151936])
 @pytest.mark.parametrize("layout", ["dense", "aligned", "odd"])
-def test_kernel_picks_the_references_token_away_from_boundaries(kernel, vocab, layout):
+@pytest.mark.parametrize("n", [64, 3], ids=["64-rows", "3-rows"])  # 3 rows of 151936: the sliced kernel
+def test_kernel_picks_the_references_token_away_from_boundaries(kernel, vocab, layout, n):
     gen = torch.Generator().manual_seed(vocab + len(layout))
-    n = 64
     logits_d = row_logits(n, vocab, gen, layout, device="cuda")
     assert logits_d.stride(1) == 1 and (layout == "dense") == logits_d.is_contiguous()
     temperature = torch.tensor([TEMPERATURES[i % 4] for i in range(n)])
@@ -381,7 +386,8 @@ def test_the_reference_flags_rows_without_a_valid_distribution():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [5000, 5001])  # the float4 and the one-by-one load paths
+# the float4 and the one-by-one load paths, on one CTA a row (5000, 5001) and on a cluster (151936, 151937)
+@pytest.mark.parametrize("vocab", [5000, 5001, 151936, 151937])
 def test_rows_without_a_valid_distribution_are_flagged_alone(kernel, dtype, vocab):
     logits, bad = bad_rows(vocab, dtype)
     u = torch.rand(10, generator=torch.Generator().manual_seed(2))
@@ -421,9 +427,10 @@ def test_a_rows_token_does_not_depend_on_its_batch(kernel):
 
 
 @gpu
-def test_kernel_captures_in_a_cuda_graph_and_replays_on_new_inputs(kernel):
+@pytest.mark.parametrize("n", [48, 1])
+def test_kernel_captures_in_a_cuda_graph_and_replays_on_new_inputs(kernel, n):
     gen = torch.Generator().manual_seed(16)
-    n, vocab = 48, 151936
+    vocab = 151936
     static_logits = torch.empty(n, vocab, device="cuda")
     static_t = torch.empty(n, 1, device="cuda")
     static_u = torch.empty(n, 1, device="cuda")
@@ -542,3 +549,72 @@ def test_the_samplers_greedy_rows_go_through_the_kernel(kernel, monkeypatch):
     md = metadata([SamplingParams(temperature=0)] * 3, None, vocab=1000, device="cuda")
     assert torch.equal(Sampler()(logits, md).token_ids, _torch_greedy(logits))
     assert len(calls) == 1 and calls[0].dtype == torch.bfloat16
+
+
+GREEDY_SLICES = 8  # kernels_cuda/sampling.cu's kGreedySlices: a row's boundaries lie near multiples of vocab / 8
+
+
+def _near_boundaries(vocab: int) -> list[int]:
+    """Token ids on both sides of every slice boundary, whatever its rounding to a vector (<= 8 tokens)."""
+    step = vocab // GREEDY_SLICES
+    return sorted({b + d for s in range(1, GREEDY_SLICES) for b in [s * step] for d in (-9, -1, 0, 1, 8)})
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [16384, 20003, 151936])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17])
+@pytest.mark.parametrize("layout", ["dense", "odd"])
+def test_greedy_on_a_few_rows_of_a_large_vocabulary_keeps_the_first_max_across_slices(kernel, dtype, vocab, rows,
+                                                                                        layout):
+    gen = torch.Generator().manual_seed(vocab + rows)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    near = _near_boundaries(vocab)
+    top = logits.float().max().item() + 1
+    for r in range(rows):  # two tied maxima near slice boundaries, in one slice or two: the first must win
+        logits[r, near[(5 * r) % len(near)]] = top
+        logits[r, near[(5 * r + 3) % len(near)]] = top
+    if rows > 1:
+        logits[rows - 1] = 0.25  # all tied: token 0
+        logits[0, :] = -1.0
+        logits[0, vocab - 1] = 2.0  # the max in the last slice, alone
+    if layout == "odd":  # rows 3 elements in and vocab + 16 apart: no 16-byte vectors
+        base = torch.zeros(rows, vocab + 16, dtype=dtype)
+        logits = base[:, 3:3 + vocab].copy_(logits)
+    logits = logits.cuda()
+    assert torch.equal(_greedy(kernel, logits), _torch_greedy(logits))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_flags_a_bad_logit_in_any_slice_of_a_sliced_row(kernel, dtype):
+    vocab = 151936
+    near = _near_boundaries(vocab)
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(12, vocab, generator=gen).to(dtype)
+    logits[0, vocab - 1] = float("nan")  # the last token of the last slice
+    logits[1, near[len(near) // 2]] = float("inf")  # a middle slice
+    logits[2, 0] = float("nan")  # the first token of the first slice
+    logits[3] = float("-inf")
+    logits[4] = float("-inf")
+    logits[4, vocab - 2] = -5.0  # one finite logit, in the last slice: a valid row
+    logits[5, near[-1]] = float("-inf")  # -inf among finite ones: fine
+    logits = logits.cuda()
+    got = _greedy(kernel, logits)
+    assert got.tolist()[:5] == [-1, -1, -1, -1, vocab - 2]
+    assert torch.equal(got, _torch_greedy(logits))
+
+
+@gpu
+def test_greedy_of_one_row_replays_in_a_cuda_graph(kernel):
+    gen = torch.Generator().manual_seed(6)
+    static_logits = torch.empty(1, 151936, device="cuda", dtype=torch.bfloat16)
+    static_logits.copy_(torch.randn(1, 151936, generator=gen))
+    graph, picked = captured(lambda: _greedy(kernel, static_logits))
+    for position in (0, 151935, 18991, 18992, 75968):  # first, last, and around slice boundaries
+        static_logits.copy_(torch.randn(1, 151936, generator=gen))
+        static_logits[0, position] = 10.0
+        graph.replay()
+        torch.cuda.synchronize()
+        assert picked.item() == position
+        assert torch.equal(picked, _torch_greedy(static_logits))

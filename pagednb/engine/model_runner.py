@@ -115,6 +115,9 @@ class ModelRunner:
         self._host_tokens = [torch.empty(max_rows, dtype=torch.int64, pin_memory=on_gpu) for _ in range(3)]
         self._tokens_ready = [torch.cuda.Event() if on_gpu else None for _ in range(3)]
         self._token_slot = 0
+        # that copy runs on a stream of its own: the next step's uploads and forward then queue behind the
+        # sampler only, not behind a device-to-host copy too (a batch-1 step is a chain of such launches)
+        self._copy_stream = torch.cuda.Stream(device) if on_gpu else None
 
     # ---- memory ----------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -233,8 +236,11 @@ class ModelRunner:
             host, ready = self._host_tokens[slot], self._tokens_ready[slot]
             ready.synchronize()  # its previous step was collected long ago; this never waits in practice
             launched.host_token_ids = host[:len(sampled_reqs)]
-            launched.host_token_ids.copy_(result.token_ids, non_blocking=True)
-            ready.record()
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                launched.host_token_ids.copy_(result.token_ids, non_blocking=True)
+                ready.record()
+            result.token_ids.record_stream(self._copy_stream)  # its memory is not reused before the copy read it
             launched.ready = ready
 
     def start_grammar_fill(self, launched: LaunchedStep) -> None:
