@@ -42,21 +42,36 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // The first line of a kernel with nothing to read before its inputs: let the next kernel launch, then wait.
 #define PAGEDNB_PDL_ENTER() (::pagednb::pdl_launch_dependents(), ::pagednb::pdl_wait())
 
-// kernel<<<grid, block, smem, st>>>(args...), with programmatic stream serialization where pdl_enabled()
-// (launchers.h); returns the launch's status (0 or a cudaError_t).
+// kernel<<<grid, block, smem, st>>>(args...) in thread-block clusters of `cluster_x` CTAs along x (1: no
+// clusters; more needs sm_90), with programmatic stream serialization where pdl_enabled() (launchers.h);
+// returns the launch's status (0 or a cudaError_t).
 template <typename... Params, typename... Args>
-int launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+int launch_pdl_clusters(void (*kernel)(Params...), unsigned cluster_x, dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t st, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {cluster_x, 1, 1};
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = n;
   return (int)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// launch_pdl_clusters without clusters: the launch of nearly every kernel.
+template <typename... Params, typename... Args>
+int launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  return launch_pdl_clusters(kernel, 1, grid, block, smem, st, std::forward<Args>(args)...);
 }
 
 // The host launchers' dtype dispatch: f(T{}) with the element type of a dtype code (f instantiates its

@@ -350,27 +350,6 @@ bool clusters_supported() {
   return on;
 }
 
-// kernel<<<grid, block, smem, st>>>(args...) as clusters of `slices` CTAs along x (and PDL as launch_pdl).
-template <typename... Params, typename... Args>
-int launch_clusters(void (*kernel)(Params...), int slices, dim3 grid, dim3 block, size_t smem, cudaStream_t st,
-                    Args&&... args) {
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = slices;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 2 : 1;
-  return (int)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
 template <typename L, int VEC>
 int launch_sample_vec(const SampleArgs& a, cudaStream_t st) {
   const int nchunks = (a.vocab + ChunkCfg<VEC>::kSize - 1) / ChunkCfg<VEC>::kSize;
@@ -380,7 +359,7 @@ int launch_sample_vec(const SampleArgs& a, cudaStream_t st) {
   if (a.rows <= kSampleSlicedMaxRows && nchunks >= kSampleSlicedMinChunks && clusters_supported()) {
     const int per_cta = (nchunks + kSampleSlices - 1) / kSampleSlices;
     const int warps = per_cta < kSampleWarps ? per_cta : kSampleWarps;
-    return launch_clusters(sample_temperature_sliced_kernel<L, VEC>, kSampleSlices, dim3(kSampleSlices, a.rows),
+    return launch_pdl_clusters(sample_temperature_sliced_kernel<L, VEC>, kSampleSlices, dim3(kSampleSlices, a.rows),
                            dim3(warps * 32), smem, st, logits, a.row_stride, a.temperature, a.t_stride, a.uniforms,
                            a.u_stride, a.out, a.vocab);
   }
@@ -533,7 +512,7 @@ template <typename L, int VEC>
 int launch_greedy_sliced(const GreedyArgs& a, cudaStream_t st) {
   const int per_slice = (a.vocab + kGreedySlices - 1) / kGreedySlices;
   const int slice = (per_slice + VEC - 1) / VEC * VEC;
-  return launch_clusters(greedy_sliced_kernel<L, VEC>, kGreedySlices, dim3(kGreedySlices, a.rows),
+  return launch_pdl_clusters(greedy_sliced_kernel<L, VEC>, kGreedySlices, dim3(kGreedySlices, a.rows),
                          dim3(kGreedyThreads), 0, st, static_cast<const L*>(a.logits), a.row_stride, a.out, a.vocab,
                          slice);
 }
