@@ -12,10 +12,15 @@ row-kernel variants 0, 1 and 2 (the default; at --head-dim 64 it is the tensor-c
   cache write, 32768 tokens             target: >= 80% of copy bandwidth (read + write), copy measured here
   --only fp8: the same decode rows, prefill and cache write over an fp8 (e4m3) cache
   (LLM(kv_cache_dtype="fp8")); decode target: K/V read at >= 85% of copy bandwidth counting fp8 bytes
+  --only workload: decode at the standard workload's running contexts (benchmarks/shapes.py: a snapshot
+  every --every steps, as the engine's decode graphs plan them), per snapshot and as estimated attention
+  seconds of a whole run, under each of --plans (the engine's launch order and split plan, or forced ones);
+  the Qwen3-0.6B shape with an fp8 cache: --heads 16 --kv-cache-dtype fp8
 Timing: each variant is captured in a CUDA graph and replayed back to back, rotating between input sets
 whose total exceeds the 60 MB L2 several times where one set does not; one CUDA event per replay, median.
 
     python benchmarks/kernels.py [--reps 30] [--only prefill|decode|workload|fp8] [--head-dim 64]
+    python benchmarks/kernels.py --only workload --heads 16 [--kv-cache-dtype fp8] [--plans engine,split:768]
 """
 from __future__ import annotations
 
@@ -120,31 +125,98 @@ def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
             "partition_tokens": plan[1], "input_sets": n}
 
 
-def bench_workload(backend, reps: int, gen, every: int = 100, plan_len: int = 2048) -> dict:
+# Launch plans the workload rows compare (CudaPagedBackend's A/B knobs): rows longest first or in batch order,
+# one-partition launches split into partitions of N tokens ("split:N"), split launches (few rows) in partitions of
+# N tokens ("tail:N"), row variant N ("variant:3": two kv heads per fp8 CTA, launchers.h); "uniform": the
+# engine's plan over the same rows all at the snapshot's mean length (what the mix of lengths costs).
+WORKLOAD_PLANS = "engine,batch-order"
+
+
+def apply_plan(backend, name: str) -> None:
+    """Sets the backend's launch knobs for one named plan: "engine" (its defaults), "batch-order", "split:N",
+    "tail:N", or several joined by "+" ("batch-order+split:768")."""
+    backend.longest_first, backend.split_tokens, backend.tail_tokens, backend.row_variant = True, None, None, 2
+    for part in name.split("+"):
+        if part == "uniform":
+            continue  # the engine's knobs, other inputs (bench_workload)
+        if part == "batch-order":
+            backend.longest_first = False
+        elif part.startswith("split:"):
+            backend.split_tokens = int(part.removeprefix("split:"))
+        elif part.startswith("tail:"):
+            backend.tail_tokens = int(part.removeprefix("tail:"))
+        elif part.startswith("variant:"):
+            backend.row_variant = int(part.removeprefix("variant:"))
+        elif part != "engine":
+            raise SystemExit(f"unknown workload plan {part!r} (engine, batch-order, split:N, tail:N, variant:N, "
+                             "uniform)")
+
+
+def bench_workload(backend, reps: int, gen, plans: list[str], kv_dtype: torch.dtype, every: int = 100,
+                   plan_len: int = 2048) -> dict:
     """Decode attention at the throughput workload's running contexts, one snapshot every `every` steps
     (all requests admitted at step 0: request i runs while step < output_i, at context prompt_i + step),
-    each kernel as the engine's graphs run it (split plan for max_model_len). The sum over snapshots x
-    `every` x layers estimates the attention seconds of a whole run."""
+    each launch as the engine's graphs run it (split plan for max_model_len), under each named plan. The sum
+    over snapshots x `every` x layers estimates the attention seconds of a whole run. Each snapshot times its
+    plans twice, in order and in reverse, and keeps the mean: a plan timed first (after new inputs are made, the
+    GPU idle) ran a few % slow in the first version of this table."""
     from shapes import workload
     prompts, outputs = workload(256)
+    warm_up_gpu()
+    elem = torch.empty((), dtype=kv_dtype).element_size()
     res = {}
     for step in range(0, max(outputs), every):
         lens = [len(p) + step + 1 for p, o in zip(prompts, outputs) if o > step]
-        kv_bytes = 2 * sum(lens) * HKV * D * 2
+        kv_bytes = 2 * sum(lens) * HKV * D * elem
         n = sets_for(kv_bytes)
-        sets = [paged_decode_inputs(lens, gen, plan_len) for _ in range(n)]
-        r = {"rows": len(lens), "kv_tokens": sum(lens), "kv_bytes": kv_bytes}
-        for variant, name in ((2, "tensor_cores"), (1, "row_kernel")):
-            backend.row_variant = variant
-            ms = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in sets], reps)
-            plan = [v for k, v in sets[0][2]._cuda_plan.row_plans.items() if k[-1] == variant][0]
-            r[name] = {"ms": ms, "GBps": kv_bytes / ms / 1e6, "partitions": plan[0]}
-        backend.row_variant = 2
+        sets = [paged_decode_inputs(lens, gen, plan_len, kv_dtype) for _ in range(n)]
+        r = {"rows": len(lens), "kv_tokens": sum(lens), "kv_bytes": kv_bytes, "shortest": min(lens),
+             "longest": max(lens)}
+        mean = round(sum(lens) / len(lens))
+        uniform = ([paged_decode_inputs([mean] * len(lens), gen, plan_len, kv_dtype) for _ in range(n)]
+                   if "uniform" in plans else None)  # the same rows and tokens (to a token per row) at one length
+        times: dict[str, list[float]] = {name: [] for name in plans}
+        for order in (plans, plans[::-1]):
+            for name in order:
+                apply_plan(backend, name)
+                inputs = uniform if name == "uniform" else sets
+                for s in inputs:
+                    s[2]._cuda_plan = None  # planned anew under this plan's knobs
+                times[name].append(time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None)
+                                            for s in inputs], reps))
+                plan = next(iter(inputs[0][2]._cuda_plan.row_plans.values()))
+                ms = sum(times[name]) / len(times[name])
+                r[name] = {"ms": ms, "GBps": kv_bytes / ms / 1e6, "partitions": plan[0],
+                           "partition_tokens": plan[1], "sorted": plan[3] is not None, "ms_each_pass": times[name]}
+        apply_plan(backend, "engine")
         res[f"step_{step}"] = r
         print(f"step {step}: {r}", flush=True)
         del sets
         torch.cuda.empty_cache()
     return res
+
+
+def warm_up_gpu(seconds: float = 0.5) -> None:
+    """Matrix products for a while, so the first snapshot is not timed on an idle GPU's clocks."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    end = torch.cuda.Event(enable_timing=True)
+    while True:
+        for _ in range(10):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > 1000 * seconds:
+            break
+
+
+def sort_us(reps: int) -> float:
+    """us of the per-step device sort behind the longest-first order (256 rows; in the decode graphs, not in
+    the rows above, whose plan is made before capture)."""
+    lens = torch.randint(100, 2048, (256,), dtype=torch.int32, device="cuda")
+    return 1000 * time_ms([lambda: torch.argsort(lens, descending=True)], reps)
 
 
 def bench_prefill(backend, lib, reps: int, gen) -> dict:
@@ -288,6 +360,39 @@ def bench_fp8(backend, lib, reps: int, gen) -> dict:
     return res
 
 
+def report_workload(backend, args, gen) -> None:
+    """--only workload: the per-snapshot table, each plan's estimated attention seconds per run, the JSON."""
+    from pagednb.attention.kv_quant import FP8_DTYPE
+    fp8 = args.kv_cache_dtype == "fp8"
+    plans = args.plans.split(",")
+    copy = copy_bandwidth(args.reps)
+    res = bench_workload(backend, args.reps, gen, plans, FP8_DTYPE if fp8 else DT, args.every)
+    layers = {64: 16, 128: 28}.get(D, 16)  # Llama-3.2-1B / Qwen3-0.6B
+    scale = args.every * layers / 1e3
+    totals = {name: scale * sum(r[name]["ms"] for r in res.values()) for name in plans}
+    kv_total = args.every * layers * sum(r["kv_bytes"] for r in res.values())
+    floor = kv_total / (copy * 1e9)
+    sort = sort_us(args.reps)
+    kv_name = "fp8_e4m3" if fp8 else "bfloat16"
+    path = save(f"kernels_workload_d{D}" + ("" if H == 32 else f"_h{H}") + ("_fp8" if fp8 else ""),
+                {"shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "block_size": BS, "dtype": "bfloat16",
+                           "kv_cache_dtype": kv_name, "layers": layers, "every": args.every},
+                 "results": res, "run_seconds_estimate": totals, "copy_GBps": copy,
+                 "run_seconds_at_copy": floor, "run_kv_bytes": kv_total, "sort_us_per_step": sort})
+    print(f"wrote {path}")
+    rows = [[k, r["rows"], f"{r['shortest']}-{r['longest']}", round(r["kv_bytes"] / 1e6),
+             "/".join(str(r[name]["partitions"]) for name in plans),
+             *[f"{r[name]['GBps']:.0f} ({100 * r[name]['GBps'] / copy:.0f}%)" for name in plans]]
+            for k, r in res.items()]
+    print(f"decode attention at the workload's contexts: {H} q / {HKV} kv heads x {D}, {kv_name} cache, "
+          f"GB/s (of copy {copy:.0f} GB/s) per plan")
+    print_table(["snapshot", "rows", "keys", "KV MB", "P", *plans], rows)
+    for name in plans:
+        print(f"{name}: attention seconds per run (x{args.every} steps x {layers} layers) {totals[name]:.3f} = "
+              f"{kv_total / totals[name] / 1e9:.0f} GB/s")
+    print(f"at copy bandwidth: {floor:.3f} s; the longest-first sort: {sort:.1f} us per step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
@@ -296,9 +401,16 @@ def main() -> None:
                          "workload: decode at the throughput workload's contexts, kernels_workload_d<D>.json; "
                          "fp8: decode, prefill and cache write over an fp8 cache, kernels_fp8_d<D>.json)")
     ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every row (default 128)")
+    ap.add_argument("--heads", type=int, default=32, help="query heads (default 32; Qwen3-0.6B: 16)")
+    ap.add_argument("--kv-heads", type=int, default=8, help="kv heads (default 8)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="--only workload: the cache's type (auto: bf16, as the queries)")
+    ap.add_argument("--plans", default=WORKLOAD_PLANS,
+                    help="--only workload: launch plans (engine, batch-order, split:N, tail:N, joined by +; uniform)")
+    ap.add_argument("--every", type=int, default=100, help="--only workload: steps between snapshots")
     args = ap.parse_args()
-    global D
-    D = args.head_dim
+    global D, H, HKV
+    D, H, HKV = args.head_dim, args.heads, args.kv_heads
     from pagednb.attention.cuda_backend import CudaPagedBackend
     from pagednb.kernels import load_error, load_kernels
     lib = load_kernels()
@@ -332,22 +444,7 @@ def main() -> None:
               f"{res['copy_GBps']:.0f} GB/s)")
         return
     if args.only == "workload":
-        res = bench_workload(backend, args.reps, gen)
-        layers = {64: 16, 128: 28}.get(D, 16)  # Llama-3.2-1B / Qwen3-0.6B
-        rows = [[k, r["rows"], r["kv_tokens"], r["tensor_cores"]["ms"], r["tensor_cores"]["GBps"],
-                 r["tensor_cores"]["partitions"], r["row_kernel"]["ms"], r["row_kernel"]["GBps"],
-                 r["row_kernel"]["partitions"]] for k, r in res.items()]
-        totals = {name: 100 * layers * sum(r[name]["ms"] for r in res.values()) / 1e3
-                  for name in ("tensor_cores", "row_kernel")}
-        floor = 100 * layers * sum(r["kv_bytes"] for r in res.values()) / 4285e9
-        path = save(f"kernels_workload_d{D}", {"shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "block_size": BS,
-                                                         "dtype": "bfloat16", "layers": layers},
-                                               "results": res, "run_seconds_estimate": totals,
-                                               "run_seconds_at_4285_GBps": floor})
-        print(f"wrote {path}")
-        print_table(["snapshot", "rows", "KV tokens", "TC ms", "TC GB/s", "TC P", "row ms", "row GB/s", "row P"], rows)
-        print(f"attention seconds per run (x100 steps x {layers} layers): tensor cores {totals['tensor_cores']:.3f}, "
-              f"row kernel {totals['row_kernel']:.3f}; at 4,285 GB/s {floor:.3f}")
+        report_workload(backend, args, gen)
         return
     for B, T in [(64, 4096), (256, 1024), (1, 32768)]:
         res[f"decode_B{B}_T{T}"] = r = bench_decode(backend, B, T, args.reps, gen)

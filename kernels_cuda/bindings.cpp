@@ -120,7 +120,8 @@ int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int rang
   const int gmax = mma ? G : pagednb::row_gmax(G, cache_fp8);
   *head_groups = (G + gmax - 1) / gmax;
   range_max = range_max < 1 ? 1 : range_max;
-  const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * Hkv * *head_groups;
+  const int kvc = mma ? 1 : pagednb::row_kv_per_cta(G, head_dim, Hkv, cache_fp8, variant);
+  const int64_t base = (int64_t)(rows < 1 ? 1 : rows) * (Hkv / kvc) * *head_groups;
   const int64_t wave = (int64_t)resident_ctas(dtype, head_dim, G, variant, cache_fp8) * (num_sms < 1 ? 1 : num_sms);
   int64_t parts = 4 * base >= 3 * wave ? 1 : (wave + base - 1) / base;
   const int64_t max_parts = (range_max + 127) / 128;
@@ -132,6 +133,12 @@ int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int rang
   *part_size = size;
   *P = (range_max + size - 1) / size;
   return 0;
+}
+
+// 1 where decode rows of this configuration run on the tensor-core kernel, 0 on the row kernel (the one that
+// follows AttnParams.row_order: the backend sorts the rows only for it).
+int pagednb_decode_tensor_cores(int dtype, int head_dim, int G, int variant, int cache_fp8) {
+  return pagednb::group_mma_applies(dtype, head_dim, G, variant, cache_fp8) ? 1 : 0;
 }
 
 int pagednb_row_attention(int dtype, int head_dim, const AttnParams* p, void* stream) {

@@ -22,6 +22,12 @@
 // An fp8 cache (KV = Fp8E4M3, 16-bit queries): the same kernel with 16 fp8 values per 16-byte load, so a
 // lane covers 16 elements of a row (twice a 16-bit cache's) and a warp twice the tokens per step; K/V are
 // converted to float as they are used, k_scale is folded into q's pre-scale and v_scale into the output.
+// Launch order: the grid is (head columns, rows, partitions), so a row's CTAs are consecutive, and p.row_order
+// (when set) lists the rows longest first. A launch of many rows of mixed lengths (the standard workload: 100
+// to 2,000 keys) then ends on its shortest CTAs instead of a long row started last running alone, and a row's
+// CTAs run together (its block table and token rows read by all of them at once). The row rank is blockIdx.y
+// (rows past gridDim.y's limit continue along x); with the row and column decoded from one flat index instead,
+// ptxas gave the kernels up to 31 more registers; this way they have main's (ptxas -v).
 #pragma once
 
 #include <type_traits>
@@ -36,11 +42,15 @@ constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima
 // What a decode CTA attends to: the sequence of query row `row` and the keys [t_begin, t_end) of its
 // split-K partition (blockIdx.z), causal and inside the sliding window. False: nothing to do here (a
 // padding row past the last sequence, or a prefill row while only decode rows are served).
+// BALANCED (the SPLIT kernels): the row's keys in partitions of equal size (to a token), as many as
+// part_size-token partitions would take (at most P), so a row's CTAs finish together: a 1,100-key row under
+// 1,024-token partitions runs as 550 + 550 rather than 1,024 + 76. Every one of the `parts` holds keys.
 struct RowKeys {
   int seq, t_begin, t_end;
   int parts;  // the row's partitions that hold keys, the first `parts` (1: the CTA writes the output itself)
 };
 
+template <bool BALANCED = false>
 __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& k) {
   k.seq = find_seq(p.qsl, p.num_seqs, row);
   if (k.seq < 0) return false;
@@ -49,9 +59,18 @@ __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& 
   if (p.decode_only && qlen != 1) return false;
   const int pos = __ldg(p.seq_lens + k.seq) - qlen + (row - qs);
   const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
-  k.t_begin = lo + blockIdx.z * p.part_size;
-  k.t_end = min(pos + 1, k.t_begin + p.part_size);
-  k.parts = min(p.P, (pos + 1 - lo + p.part_size - 1) / p.part_size);
+  if constexpr (BALANCED) {
+    const int len = pos + 1 - lo;
+    const int parts = min(p.P, (len + p.part_size - 1) / p.part_size);
+    const int size = (len + parts - 1) / parts;
+    k.parts = (len + size - 1) / size;  // parts, or fewer where the last would be empty
+    k.t_begin = lo + blockIdx.z * size;
+    k.t_end = min(pos + 1, k.t_begin + size);
+  } else {
+    k.t_begin = lo + blockIdx.z * p.part_size;
+    k.t_end = min(pos + 1, k.t_begin + p.part_size);
+    k.parts = min(p.P, (pos + 1 - lo + p.part_size - 1) / p.part_size);
+  }
   return true;
 }
 
@@ -64,11 +83,15 @@ __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& 
 // (PTX ISA, memory consistency model); __threadfence() would be the heavier sequentially consistent fence.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
-__device__ __forceinline__ bool last_partition(const AttnParams& p, int row, int parts) {
+// The counter of a (row, head column) is its CTAs' (blockIdx.x, blockIdx.y), the same in each partition
+// (blockIdx.z): row x kv head in the tensor-core kernel's (rows, kv heads) grid, head column x row rank in the
+// row kernel's (head columns, rows) one (past kMaxGridRows rows, whole blocks of them: the backend's array is
+// that large).
+__device__ __forceinline__ bool last_partition(const AttnParams& p, int parts) {
   __shared__ bool s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* count = p.part_count + (int64_t)row * gridDim.y + blockIdx.y;
+    int* count = p.part_count + (int64_t)blockIdx.x * gridDim.y + blockIdx.y;
     fence_acq_rel_gpu();
     s_last = atomicAdd(count, 1) == parts - 1;
     if (s_last) {
@@ -178,7 +201,7 @@ __device__ __forceinline__ void merge_warps_and_store(const AttnParams& p, const
     }
   }
   if constexpr (SPLIT)
-    if (parts > 1 && last_partition(p, row, parts)) merge_partitions<T, D, ROWS, NT, LEAN>(p, ng, h0, row, parts);
+    if (parts > 1 && last_partition(p, parts)) merge_partitions<T, D, ROWS, NT, LEAN>(p, ng, h0, row, parts);
 }
 
 template <typename KV, int D, int GMAX>  // KV: the cache's element type
@@ -213,21 +236,23 @@ constexpr int kPrefetchBytes = 64 << 10;  // K/V bytes a SPLIT CTA prefetches in
 // they start before pdl_wait(), overlapping the kernel before: the row's keys are looked up and the CTA's
 // first kPrefetchBytes of K/V (a whole 128-token partition at head_dim 128) are prefetched into L2, where
 // the copies after the wait find them. Allowed before the wait (common.cuh's rule 1): the metadata comes
-// from host copies and non-PDL torch kernels, all complete before the step's first PDL kernel starts; a
+// from host copies and non-PDL torch kernels, all complete before the step's first PDL kernel starts (not
+// the row kernel's row_order, sorted mid-step: a sorted launch, >= 32 rows, waits before it reads it); a
 // prefetch returns no value (L2 is the point of coherence), so the token the kernel before writes is read
 // after the wait as ever. False: nothing to do in this CTA (no row, or a partition past its keys), returned
 // after the wait as every CTA must.
-template <typename KV, int D, int NT>
-__device__ __forceinline__ bool split_entry(const AttnParams& p, int kvh, RowKeys& keys) {
+template <typename KV, int D, int NT, int KVC = 1>  // KVC: the CTA's kv heads, kvh the first
+__device__ __forceinline__ bool split_entry(const AttnParams& p, int row, int kvh, RowKeys& keys) {
   pdl_launch_dependents();
-  const bool work = row_keys(p, blockIdx.x, keys) && blockIdx.z < keys.parts;
+  const bool work = row_keys<true>(p, row, keys) && blockIdx.z < keys.parts;
   if (work) {
-    constexpr int kRowBytes = D * (int)sizeof(KV);           // one token's K (or V) of one kv head
+    constexpr int kHeadBytes = D * (int)sizeof(KV);          // one token's K (or V) of one kv head
+    constexpr int kRowBytes = KVC * kHeadBytes;               // ... of the CTA's kv heads
     constexpr int kLines = kRowBytes > 128 ? kRowBytes / 128 : 1;
     const int tokens = min(keys.t_end - keys.t_begin, kPrefetchBytes / (2 * kRowBytes));
     const int* bt = p.block_tables + (int64_t)keys.seq * p.bt_stride;
-    const char* kbase = static_cast<const char*>(p.cache) + (int64_t)kvh * kRowBytes;
-    const int64_t token_bytes = (int64_t)p.Hkv * kRowBytes, v_bytes = p.v_offset * (int64_t)sizeof(KV);
+    const char* kbase = static_cast<const char*>(p.cache) + (int64_t)kvh * kHeadBytes;
+    const int64_t token_bytes = (int64_t)p.Hkv * kHeadBytes, v_bytes = p.v_offset * (int64_t)sizeof(KV);
     const int bs_mask = (1 << p.bs_log2) - 1;
     for (int i = threadIdx.x; i < tokens * kLines; i += NT) {
       const int t = keys.t_begin + i / kLines;
@@ -240,33 +265,60 @@ __device__ __forceinline__ bool split_entry(const AttnParams& p, int kvh, RowKey
   pdl_wait();
   return work;
 }
+// The tensor-core kernel's form: its CTAs serve row blockIdx.x.
+template <typename KV, int D, int NT>
+__device__ __forceinline__ bool split_entry(const AttnParams& p, int kvh, RowKeys& keys) {
+  return split_entry<KV, D, NT>(p, blockIdx.x, kvh, keys);
+}
 
-// T: the query's type; KV: the cache's (T, or Fp8E4M3). CAP: Gemma 2's soft-capping. SPLIT: P > 1
-template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP = false, bool SPLIT = false>
+// gridDim.y's limit: a row-kernel launch of more rows (a prefill-sized float32 or mixed step) continues in
+// further blocks of `cols` head columns along x.
+constexpr int kMaxGridRows = 65535;
+
+// The query row of a row-kernel CTA (see "Launch order" at the top); its head column is blockIdx.x % cols.
+__device__ __forceinline__ int cta_row(const AttnParams& p, int cols) {
+  const int rank = blockIdx.y + (blockIdx.x / cols) * kMaxGridRows;
+  return p.row_order ? (int)p.row_order[rank] : rank;
+}
+
+// T: the query's type; KV: the cache's (T, or Fp8E4M3). CAP: Gemma 2's soft-capping. SPLIT: P > 1.
+// KVC: kv heads per CTA (row_kv_per_cta): with 2, a CTA serves two adjacent kv heads with all of their query
+// heads (G == GMAX), whose token rows are one row of 2 * D elements: a slot's lanes split into one group per kv
+// head, each with its own queries, dot-product reduction and softmax; the pair's heads are contiguous in q and
+// the output, so the merge takes them as 2 * GMAX rows.
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP = false, bool SPLIT = false, int KVC = 1>
 __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   if constexpr (!SPLIT) PAGEDNB_PDL_ENTER();
-  using C = RowCfg<KV, D, GMAX>;
+  using C = RowCfg<KV, D * KVC, GMAX>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U, S = C::S;
   constexpr int NT = C::NT;
+  constexpr int TPRH = TPR / KVC;  // lanes per kv head of a token row
+  constexpr int ROWS = GMAX * KVC;  // query heads per CTA
+  static_assert(KVC == 1 || (NV == 1 && TPRH * VEC == D), "paired kv heads: one vector per lane, a lane in one head");
+  static_assert(NW * ROWS * (D + 2) * 4 <= C::smem(PIPE), "the warps' merge fits the CTA's shared memory");
   extern __shared__ __align__(16) unsigned char dyn_smem[];
 
-  const int row = blockIdx.x;
+  const int cols = p.Hkv / KVC * p.head_groups;
+  if constexpr (SPLIT)  // the order is written by the step's sort, a kernel of this step: read after the wait
+    if (p.row_order) pdl_wait();
+  const int row = cta_row(p, cols);
   RowKeys keys;
   if constexpr (SPLIT) {
-    if (!split_entry<KV, D, NT>(p, blockIdx.y / p.head_groups, keys)) return;
+    if (!split_entry<KV, D, NT, KVC>(p, row, (blockIdx.x % cols) / p.head_groups * KVC, keys)) return;
   } else {
     if (!row_keys(p, row, keys)) return;
   }
   const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
-  const int kvh = blockIdx.y / p.head_groups;
-  const int g0 = (blockIdx.y % p.head_groups) * GMAX;
+  const int kvh = (blockIdx.x % cols) / p.head_groups * KVC;  // the CTA's (first) kv head
+  const int g0 = (blockIdx.x % p.head_groups) * GMAX;  // cols is a multiple of head_groups
   const int ng = min(GMAX, p.G - g0);
   const int h0 = kvh * p.G + g0;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane % TPR;
   const int slot = warp * TPW + lane / TPR;
+  const int half = sub / TPRH;  // the lane's kv head in the CTA (0 unless KVC == 2)
 
   // query heads of this CTA in registers, pre-scaled into log2 units (an fp8 cache's k_scale folded in)
   float qf[GMAX][NV][VEC];
@@ -277,7 +329,8 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       if (g < ng) {
-        ldg_floats<T, VEC>(qrow + (int64_t)(h0 + g) * p.q_stride_head + (v * TPR + sub) * VEC, qf[g][v]);
+        ldg_floats<T, VEC>(qrow + (int64_t)(h0 + half * p.G + g) * p.q_stride_head + (v * TPR + sub) * VEC - half * D,
+                           qf[g][v]);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) qf[g][v][e] *= q_scale;
       } else {
@@ -374,7 +427,7 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) d = fmaf(qf[g][v][e], kf[v][e], d);
 #pragma unroll
-        for (int o = TPR / 2; o >= 1; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        for (int o = TPRH / 2; o >= 1; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
         sc[u][g] = valid[u] ? d : -INFINITY;  // q carries scale * log2(e)
       }
     }
@@ -444,21 +497,21 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
     cp_async_wait<0>();
     __syncthreads();
   }
-  auto s_acc = reinterpret_cast<float (*)[GMAX][D]>(dyn_smem);
-  auto s_m = reinterpret_cast<float (*)[GMAX]>(dyn_smem + NW * GMAX * D * 4);
-  auto s_l = reinterpret_cast<float (*)[GMAX]>(dyn_smem + NW * GMAX * (D + 1) * 4);
+  auto s_acc = reinterpret_cast<float (*)[ROWS][D]>(dyn_smem);
+  auto s_m = reinterpret_cast<float (*)[ROWS]>(dyn_smem + NW * ROWS * D * 4);
+  auto s_l = reinterpret_cast<float (*)[ROWS]>(dyn_smem + NW * ROWS * (D + 1) * 4);
   if (lane < TPR) {
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
 #pragma unroll
       for (int v = 0; v < NV; ++v)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) s_acc[warp][g][(v * TPR + sub) * VEC + e] = acc[g][v][e];
-      if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+        for (int e = 0; e < VEC; ++e) s_acc[warp][half * GMAX + g][(v * TPR + sub) * VEC + e - half * D] = acc[g][v][e];
+      if (sub % TPRH == 0) { s_m[warp][half * GMAX + g] = m[g]; s_l[warp][half * GMAX + g] = l[g]; }
     }
   }
   __syncthreads();
-  merge_warps_and_store<T, D, NW, GMAX, NT, SPLIT, CAP>(p, &s_acc[0][0][0], &s_m[0][0], &s_l[0][0], ng, h0, row,
+  merge_warps_and_store<T, D, NW, ROWS, NT, SPLIT, CAP>(p, &s_acc[0][0][0], &s_m[0][0], &s_l[0][0], ng * KVC, h0, row,
                                                         keys.parts);
 }
 
@@ -467,40 +520,46 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
 template <typename T>
 constexpr bool pipe_ok() { return sizeof(T) == 2; }
 
-template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP, bool SPLIT>
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP, bool SPLIT, int KVC>
 int launch_row_variant(const AttnParams& p, cudaStream_t st) {
-  using C = RowCfg<KV, D, GMAX>;
+  using C = RowCfg<KV, D * KVC, GMAX>;
   constexpr int smem = C::smem(PIPE);
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP, SPLIT>,
+    cudaError_t e = cudaFuncSetAttribute(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP, SPLIT, KVC>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  const dim3 grid(p.num_rows, p.Hkv * p.head_groups, p.P);
-  return launch_pdl(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP, SPLIT>, grid, dim3(C::NT), smem, st, p);
+  const int cols = p.Hkv / KVC * p.head_groups, blocks = (p.num_rows + kMaxGridRows - 1) / kMaxGridRows;
+  if (p.row_order && blocks > 1) return -1;  // the order covers one block of rows
+  const dim3 grid(cols * blocks, blocks > 1 ? kMaxGridRows : p.num_rows, p.P);  // see "Launch order"
+  return launch_pdl(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP, SPLIT, KVC>, grid, dim3(C::NT), smem, st, p);
 }
 
-template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP>
+template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP, int KVC>
 int launch_row_split(const AttnParams& p, cudaStream_t st) {
-  return p.P > 1 ? launch_row_variant<T, KV, D, GMAX, PIPE, CAP, true>(p, st)
-                 : launch_row_variant<T, KV, D, GMAX, PIPE, CAP, false>(p, st);
+  return p.P > 1 ? launch_row_variant<T, KV, D, GMAX, PIPE, CAP, true, KVC>(p, st)
+                 : launch_row_variant<T, KV, D, GMAX, PIPE, CAP, false, KVC>(p, st);
 }
 
-template <typename T, typename KV, int D, int GMAX, bool PIPE>
+template <typename T, typename KV, int D, int GMAX, bool PIPE, int KVC = 1>
 int launch_row_kernel(const AttnParams& p, cudaStream_t st) {
-  return p.softcap_log2 > 0.f ? launch_row_split<T, KV, D, GMAX, PIPE, true>(p, st)
-                              : launch_row_split<T, KV, D, GMAX, PIPE, false>(p, st);
+  return p.softcap_log2 > 0.f ? launch_row_split<T, KV, D, GMAX, PIPE, true, KVC>(p, st)
+                              : launch_row_split<T, KV, D, GMAX, PIPE, false, KVC>(p, st);
 }
 
 template <typename T, typename KV, int D, int GMAX>
 int launch_row_kv(const AttnParams& p, cudaStream_t st) {
-  if constexpr (pipe_ok<T>())
-    return p.row_variant == 0 ? launch_row_kernel<T, KV, D, GMAX, false>(p, st)
-                              : launch_row_kernel<T, KV, D, GMAX, true>(p, st);
-  else
+  if constexpr (pipe_ok<T>()) {
+    if (p.row_variant == 0) return launch_row_kernel<T, KV, D, GMAX, false>(p, st);
+    if constexpr (std::is_same<KV, Fp8E4M3>::value && D == 128 && GMAX <= 2)  // row_kv_per_cta's only 2
+      if (row_kv_per_cta(p.G, D, p.Hkv, p.cache_fp8, p.row_variant) == 2)
+        return launch_row_kernel<T, KV, D, GMAX, true, 2>(p, st);
+    return launch_row_kernel<T, KV, D, GMAX, true>(p, st);
+  } else {
     return launch_row_kernel<T, KV, D, GMAX, false>(p, st);
+  }
 }
 
 template <typename T, int D, int GMAX>

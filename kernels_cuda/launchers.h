@@ -27,6 +27,7 @@ struct AttnParams {
   const int* qsl;            // [num_seqs + 1]
   const int* seq_lens;       // [num_seqs]
   const int* block_tables;   // [num_seqs, bt_stride]
+  const int64_t* row_order;  // row kernel: its rows in launch order (longest first); nullptr: 0, 1, 2, ...
   int bt_stride;
   int num_seqs, num_rows;    // num_rows: rows of the row-kernel grid (num_tokens)
   int H, Hkv, G;             // G = H / Hkv
@@ -39,7 +40,8 @@ struct AttnParams {
   int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
   float scale_log2;          // softmax scale * log2(e)
   int row_variant;           // row kernel: 2 = tensor cores for large GQA groups where group_mma_applies, else
-                             // as 1 (the default); 1 = cp.async ring (16-bit types); 0 = direct loads
+                             // as 1 (the default); 3 = as 2, with two kv heads per CTA where row_kv_per_cta;
+                             // 1 = cp.async ring (16-bit types); 0 = direct loads
   float softcap_log2;        // attention logit soft-capping (Gemma 2) in log2 units, softcap * log2(e); 0: none
   int cache_fp8;             // 1: the cache holds float8 e4m3, fp8(x / scale) (common.cuh); 0: the query's dtype
   float k_scale, v_scale;    // an fp8 cache's per-layer scales (keys read as fp8 * k_scale); 1 otherwise
@@ -63,6 +65,15 @@ bool pdl_enabled();
 // Query heads per row-kernel CTA (its GMAX). An fp8 cache's lanes hold 16 elements of each head (q and the
 // accumulator in registers: twice a 16-bit cache's), so it stops at 4 heads per CTA rather than spill.
 inline int row_gmax(int G, int cache_fp8) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 || cache_fp8 ? 4 : 8; }
+// kv heads per row-kernel CTA: 2 under row variant 3 for an fp8 cache at head_dim 128 with at most 2 query
+// heads per kv head (Qwen3-0.6B), else 1. A CTA's two adjacent kv heads are one 256-byte row per token (a bf16
+// CTA's row): half the CTAs, each with twice the bytes to spread its fixed costs over (the row lookup, the
+// queries, the ring's first loads, the merge), but twice as long a drain at the end of a launch. Not the
+// default: the one whole run with it measured 32,753 tok/s against 33,906 without (benchmarks/NOTES.md, issue
+// 19, seventh round); `kernels.py --only workload --plans engine,variant:3` is its A/B.
+inline int row_kv_per_cta(int G, int head_dim, int Hkv, int cache_fp8, int row_variant) {
+  return cache_fp8 && head_dim == 128 && G <= 2 && Hkv % 2 == 0 && row_variant == 3 ? 2 : 1;
+}
 
 // Each launcher returns 0 or a CUDA error code (cudaError_t as int); -1: unsupported configuration.
 // Row (decode / float32) kernel, one definition per dtype file (decode_<dtype>.cu):

@@ -6,7 +6,9 @@ skipped); `attend` runs
     decode rows; when a row's keys are split across partitions, the last partition to finish merges
     the others' partials (a per-(row, kv head) counter in an array the backend keeps zeroed), so a
     split step is still one launch (the kernels' SPLIT instantiations: a one-partition step, every large
-    batch, runs kernels without the merge); in float32 it serves every row (the test path). For bf16/fp16
+    batch, runs kernels without the merge); a decode step of ORDER_MIN_ROWS rows or more launches its rows
+    longest first (`_row_order`: one device sort per step, so the launch does not end on a long row running
+    alone); in float32 it serves every row (the test path). For bf16/fp16
     models with 4-16 query heads per kv head at head_dim 64 (Llama 3.2 1B/3B) the decode rows run on
     tensor cores instead (the kv head's query heads as the rows of an mma tile;
     kernels_cuda/decode_group_mma.cuh), with the same split-K merge;
@@ -17,13 +19,15 @@ An fp8 cache (float8_e4m3fn, attention/kv_quant.py) under a bf16/fp16 model: the
 the row and prefill kernels convert fp8 to float / to the model's type as they read, with the layer's
 k_scale and v_scale as plain kernel arguments (captured by the decode CUDA graphs); its decode rows with
 4-16 query heads per kv head take the tensor-core kernel at head_dim 64 and 128, others the row kernel
-(16 fp8 values per 16-byte load). Under a float32 model an fp8 cache runs on the reference.
+(16 fp8 values per 16-byte load; row variant 3 pairs kv heads per CTA at head_dim 128, <= 2 query heads per kv head).
+Under a float32 model an fp8 cache runs on the reference.
 Anything the kernels do not cover (another dtype, head_dim or block size) goes to the reference.
 """
 from __future__ import annotations
 
 import copy
 import ctypes
+import os
 import warnings
 
 import torch
@@ -34,6 +38,13 @@ from pagednb.attention.torch_ref import TorchReferenceBackend
 from pagednb.kernels import AttnParams, check_status, current_stream, dtype_codes, head_dims, load_error, load_kernels
 
 LOG2E = 1.4426950408889634
+# Decode steps of at least this many rows launch the row kernel's rows longest first (one device sort per step,
+# replayed by the decode graphs on each step's lengths). Fewer rows are one wave of CTAs (split-K fills it) where
+# the order hardly matters and a batch-1 step would pay the sort's launches.
+ORDER_MIN_ROWS = 32
+# The row kernel's grid holds rows in blocks of this many (gridDim.y's limit; decode.cuh's kMaxGridRows): a sorted
+# launch fits one block, and split-K counters cover whole blocks.
+GRID_ROWS = 65535
 # The split-K counter array's smallest size: every decode CUDA graph's rows x kv heads fits, so it is
 # allocated once, before the first capture.
 MIN_PART_COUNTERS = 1 << 16
@@ -104,9 +115,19 @@ class CudaPagedBackend(AttentionBackend):
         self._warned: set[str] = set()
         self._num_sms: dict[int, int] = {}
         self._part_counters: dict[int, list[torch.Tensor]] = {}
-        # decode rows (launchers.h): 2 = tensor cores for large GQA groups, else as 1; 1 = the
-        # cp.async-pipelined row kernel (bf16/fp16); 0 = direct loads. 1 and 0 exist for benchmarks and tests.
+        self._tensor_cores: dict[tuple, bool] = {}
+        # decode rows (launchers.h): 2 = tensor cores for large GQA groups, else as 1; 3 = as 2, with two kv heads
+        # per CTA for an fp8 cache with <= 2 query heads per kv head at head_dim 128; 1 = the cp.async-pipelined
+        # row kernel (bf16/fp16); 0 = direct loads. 3, 1 and 0 exist for benchmarks and tests.
         self.row_variant = 2
+        # the row kernel's rows longest first at ORDER_MIN_ROWS and more (False: in batch order; PAGEDNB_LONGEST_FIRST=0
+        # sets it for A/B runs of a whole engine, as PAGEDNB_PDL=0 does for programmatic dependent launch)
+        self.longest_first = os.environ.get("PAGEDNB_LONGEST_FIRST", "1") != "0"
+        # A/B knobs of benchmarks/kernels.py --only workload (None: the planner's choice): one-partition launches
+        # (large batches) split into partitions of split_tokens where the plan's longest row is longer; split
+        # launches (small batches) in partitions of tail_tokens
+        self.split_tokens: int | None = None
+        self.tail_tokens: int | None = None
 
     # ---- support ---------------------------------------------------------------------------------
     def unsupported_reason(self, dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device) -> str | None:
@@ -229,14 +250,18 @@ class CudaPagedBackend(AttentionBackend):
                 rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant, fp8,
                                     plan.rows if decode_only == 0 else plan.num_decode,
                                     min(plan.max_seq_len, window) if window else plan.max_seq_len, query.device)
+                rp = (*rp, self._row_order(plan, dtype, head_dim, p.G, fp8))
                 plan.row_plans[key] = rp
-            p.P, p.part_size, p.head_groups = rp
+            p.P, p.part_size, p.head_groups, order = rp
+            if order is not None:
+                p.row_order = order.data_ptr()
             p.decode_only = decode_only
             if p.P > 1:
                 part_o = torch.empty((plan.rows, num_heads, p.P, head_dim), dtype=torch.float32, device=query.device)
                 part_ml = torch.empty((plan.rows, num_heads, p.P, 2), dtype=torch.float32, device=query.device)
                 p.part_o, p.part_ml = part_o.data_ptr(), part_ml.data_ptr()
-                p.part_count = self._counters(query.device, plan.rows * num_kv_heads * p.head_groups).data_ptr()
+                grid_rows = plan.rows if plan.rows <= GRID_ROWS else -(-plan.rows // GRID_ROWS) * GRID_ROWS
+                p.part_count = self._counters(query.device, grid_rows * num_kv_heads * p.head_groups).data_ptr()
             self._check(self._lib.pagednb_row_attention(dtype, head_dim, ctypes.byref(p), stream), "row attention")
         if not rows_on_cuda_cores:
             p.max_query_len = plan.max_query_len
@@ -254,7 +279,23 @@ class CudaPagedBackend(AttentionBackend):
         rc = self._lib.pagednb_row_plan(dtype, head_dim, group, num_kv_heads, max(rows, 1), max(range_max, 1), sms,
                                         variant, int(fp8), ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
         self._check(rc, "row plan")
+        forced = self.split_tokens if P.value == 1 else self.tail_tokens
+        if forced and range_max > forced:
+            return -(-range_max // forced), forced, groups.value
         return P.value, size.value, groups.value
+
+    def _row_order(self, plan: _StepPlan, dtype: int, head_dim: int, group: int, fp8: bool) -> torch.Tensor | None:
+        """The step's rows longest first (int64 indices into the rows) for the row kernel's launch order, or None:
+        rows in batch order. Only a step whose rows are one per sequence (no prefill chunk) is sorted, and only for
+        the row kernel (the tensor-core one launches in batch order)."""
+        if not self.longest_first or plan.rows != plan.num_seqs or not ORDER_MIN_ROWS <= plan.rows <= GRID_ROWS:
+            return None
+        key = (dtype, head_dim, group, self.row_variant, fp8)
+        tensor_cores = self._tensor_cores.get(key)
+        if tensor_cores is None:
+            tensor_cores = self._tensor_cores[key] = bool(self._lib.pagednb_decode_tensor_cores(
+                dtype, head_dim, group, self.row_variant, int(fp8)))
+        return None if tensor_cores else torch.argsort(plan.seq_lens, descending=True)
 
     def _counters(self, device: torch.device, n: int) -> torch.Tensor:
         """At least n split-K counters on this device (one per decode CTA column: row x kv head [x head

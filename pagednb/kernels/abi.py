@@ -21,6 +21,7 @@ _IP = ctypes.POINTER(ctypes.c_int)
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     # attention (cuda_backend.py)
     "pagednb_row_plan": ([_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _IP, _IP, _IP], _I32),
+    "pagednb_decode_tensor_cores": ([_I32, _I32, _I32, _I32, _I32], _I32),
     "pagednb_row_attention": ([_I32, _I32, _VP, _VP], _I32),
     "pagednb_prefill_attention": ([_I32, _I32, _VP, _VP], _I32),
     "pagednb_prefill_occupancy": ([_I32, _I32], _I32),
@@ -102,7 +103,7 @@ class AttnParams(ctypes.Structure):
         ("q", _VP), ("q_stride_tok", _I64), ("q_stride_head", _I64),
         ("cache", _VP), ("v_offset", _I64), ("out", _VP),
         ("part_o", _VP), ("part_ml", _VP), ("part_count", _VP), ("qsl", _VP),
-        ("seq_lens", _VP), ("block_tables", _VP),
+        ("seq_lens", _VP), ("block_tables", _VP), ("row_order", _VP),
         ("bt_stride", _I32), ("num_seqs", _I32), ("num_rows", _I32),
         ("H", _I32), ("Hkv", _I32), ("G", _I32), ("head_groups", _I32),
         ("bs_log2", _I32), ("window", _I32), ("part_size", _I32), ("P", _I32),
