@@ -189,11 +189,15 @@ def test_engine_matches_hf_with_chunked_prefill(checkpoint, references):
     assert stats["used_blocks"] == 0
 
 
-def test_engine_matches_hf_with_preemption(checkpoint, references):
-    """The smallest pool the engine accepts (one request of max_model_len; sliding layers need fewer)."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_matches_hf_with_preemption(checkpoint, references, async_scheduling):
+    """The smallest pool the engine accepts (one request of max_model_len; sliding layers need fewer), with
+    asynchronous scheduling too (a GPU's default; on a CPU it is off unless asked): then the next step is
+    scheduled, and may preempt, before this one's tokens are known."""
     with LLM(str(checkpoint[1]), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64) as llm:
         smallest = llm.engine.pool_plan.blocks_per_max_request
-    got, stats = generate_all(checkpoint[1], num_kv_blocks=smallest, max_num_batched_tokens=16)
+    got, stats = generate_all(checkpoint[1], num_kv_blocks=smallest, max_num_batched_tokens=16,
+                              async_scheduling=async_scheduling)
     assert_greedy_equal(checkpoint, got, references)
     assert stats["preemptions"] > 0
 

@@ -100,12 +100,16 @@ class KVCacheManager:
         return self.take(req, num_new_tokens, hit)
 
     def has_room(self, req: Request, num_new_tokens: int) -> bool:
-        """The common decode step: the last block has room. A block that left a sliding window is released
-        at the request's next allocation (blocks_needed releases before it counts), not the step it left: a
-        decode step then touches a hybrid model's groups once per block of tokens instead of twice, for at
-        most one block per request held a little longer (never read: attention stops at the window)."""
+        """The common decode step: the last block has room, and no block left the window. (Releasing a block
+        that left a sliding window only at the request's next allocation instead, which saves a hybrid model
+        one pass over its groups per block of tokens, made Gemma 3 diverge from HF under preemption with
+        asynchronous scheduling: tests/test_architectures.py's preemption case; the cause is not found.)"""
         state = self._reqs.get(req.request_id)
-        return state is not None and req.num_computed_tokens + num_new_tokens <= len(state.blocks) * self.block_size
+        num_computed = req.num_computed_tokens
+        if state is None or num_computed + num_new_tokens > len(state.blocks) * self.block_size:
+            return False
+        window = self.sliding_window
+        return window is None or num_computed - window + 1 < (state.num_released + 1) * self.block_size
 
     def blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         """Free blocks that take() will use: new ones plus hit blocks now on the free list. Releases the
