@@ -28,6 +28,16 @@ def built_kernels(get: Callable[[], K | None]) -> K:
     return found
 
 
+def cuda_backend(row_variant: int):
+    """The CUDA attention backend on the built kernels (skips on a CPU) with this decode-row variant (2, the
+    default: tensor cores where they apply, else as 1; 1: the row kernel's cp.async ring; 0: direct loads)."""
+    from pagednb.attention.cuda_backend import CudaPagedBackend
+    from pagednb.kernels import load_kernels
+    backend = CudaPagedBackend(built_kernels(load_kernels))
+    backend.row_variant = row_variant
+    return backend
+
+
 R = TypeVar("R")
 
 

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from gpu_support import built_kernels, gpu
+from gpu_support import cuda_backend, gpu
 
 from pagednb.attention import AttentionMetadata, TorchReferenceBackend
 from pagednb.attention.selector import select_attention_backend
@@ -36,12 +36,7 @@ def test_cpu_selection_is_the_reference_and_forcing_cuda_on_cpu_raises():
 def backend(request):
     """The backend with each row-kernel variant (2, the default: tensor cores for 16-bit rows with 4-16
     query heads per kv head at head_dim 64, else as 1; 1: cp.async ring; 0: direct loads)."""
-    from pagednb.kernels import load_kernels
-    lib = built_kernels(load_kernels)
-    from pagednb.attention.cuda_backend import CudaPagedBackend
-    backend = CudaPagedBackend(lib)
-    backend.row_variant = request.param
-    return backend
+    return cuda_backend(request.param)
 
 
 class Case:

@@ -18,18 +18,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpu_support import built_kernels, captured, gpu
+from gpu_support import captured, cuda_backend, gpu
 from test_cuda_kernels import Case, check
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["rows-default", "rows-pipelined"])
 def backend(request):
-    from pagednb.kernels import load_kernels
-    lib = built_kernels(load_kernels)
-    from pagednb.attention.cuda_backend import CudaPagedBackend
-    backend = CudaPagedBackend(lib)
-    backend.row_variant = request.param
-    return backend
+    return cuda_backend(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_support import built_kernels, gpu
+from gpu_support import built_kernels, cuda_backend, gpu
 from tiny import LLAMA2C as LLAMA2C_DIR
 
 from pagednb import LLM, SamplingParams
@@ -260,12 +260,7 @@ def test_llama2c_stories_are_the_same_for_50_tokens_with_fp8():
 def backend(request):
     """The CUDA backend with each row-kernel variant (2: tensor cores for 4-16 query heads per kv head at
     head_dim 64 and 128 over an fp8 cache, else as 1; 1: the row kernel's cp.async ring; 0: direct loads)."""
-    from pagednb.kernels import load_kernels
-    lib = built_kernels(load_kernels)
-    from pagednb.attention.cuda_backend import CudaPagedBackend
-    backend = CudaPagedBackend(lib)
-    backend.row_variant = request.param
-    return backend
+    return cuda_backend(request.param)
 
 
 def check_fp8(backend, case, k_scale: float, v_scale: float) -> torch.Tensor:
