@@ -74,6 +74,8 @@ class HybridKVCacheManager:
         if hit is not None and self.caching:  # an admission: count it for the hit rate
             self.prefix_cache_query_tokens += req.num_tokens
             self.prefix_cache_hit_tokens += hit.num_tokens
+        for group, group_hit in pairs:  # every group's hit first: one group's new block must not be another's hit
+            group.claim_hit(group_hit)
         new_ids = [group.take(req, num_new_tokens, group_hit) for group, group_hit in pairs]
         return new_ids if any(new_ids) else []
 

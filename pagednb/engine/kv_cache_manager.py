@@ -97,19 +97,16 @@ class KVCacheManager:
         if hit is not None and self.caching:  # an admission: count it for the hit rate
             self.prefix_cache_query_tokens += req.num_tokens
             self.prefix_cache_hit_tokens += hit.num_tokens
+        self.claim_hit(hit)
         return self.take(req, num_new_tokens, hit)
 
     def has_room(self, req: Request, num_new_tokens: int) -> bool:
-        """The common decode step: the last block has room, and no block left the window. (Releasing a block
-        that left a sliding window only at the request's next allocation instead, which saves a hybrid model
-        one pass over its groups per block of tokens, made Gemma 3 diverge from HF under preemption with
-        asynchronous scheduling: tests/test_architectures.py's preemption case; the cause is not found.)"""
+        """The common decode step: the last block has room. A block that left a sliding window is released
+        at the request's next allocation (blocks_needed releases before it counts), not the step it left: a
+        decode step then touches a hybrid model's groups once per block of tokens instead of twice, for at
+        most one block per request held a little longer (never read: attention stops at the window)."""
         state = self._reqs.get(req.request_id)
-        num_computed = req.num_computed_tokens
-        if state is None or num_computed + num_new_tokens > len(state.blocks) * self.block_size:
-            return False
-        window = self.sliding_window
-        return window is None or num_computed - window + 1 < (state.num_released + 1) * self.block_size
+        return state is not None and req.num_computed_tokens + num_new_tokens <= len(state.blocks) * self.block_size
 
     def blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         """Free blocks that take() will use: new ones plus hit blocks now on the free list. Releases the
@@ -123,14 +120,19 @@ class KVCacheManager:
         num_new_blocks = -(-(num_computed + num_new_tokens) // self.block_size) - len(state.blocks) - len(hit_blocks)
         return max(num_new_blocks, 0) + sum(1 for block in hit_blocks if block is not None and block.ref_cnt == 0)
 
+    def claim_hit(self, hit: PrefixHit | None) -> None:
+        """Takes a reference on the hit's visible blocks, pulling cached free ones off the free list, before
+        take() allocates: a block on the free list is both a possible hit and the next one allocate() hands out
+        (a hybrid model's groups share one pool, so every group claims its hit before any group allocates)."""
+        self.pool.touch(block for block in self._visible(hit) if block is not None)
+
     def take(self, req: Request, num_new_tokens: int, hit: PrefixHit | None) -> list[int]:
-        """Appends the hit blocks and new ones to the request's list (blocks_needed() said they are free);
-        returns their ids (0 for a hit block outside the window: never read)."""
+        """Appends the hit blocks (claimed) and new ones to the request's list (blocks_needed() said they are
+        free); returns their ids (0 for a hit block outside the window: never read)."""
         state = self._reqs[req.request_id]
         hit_blocks = self._visible(hit)
         total_tokens = req.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
         num_new_blocks = -(-total_tokens // self.block_size) - len(state.blocks) - len(hit_blocks)
-        self.pool.touch(block for block in hit_blocks if block is not None)
         new_blocks = hit_blocks + self.pool.allocate(max(num_new_blocks, 0))
         state.blocks.extend(new_blocks)
         if hit_blocks:
