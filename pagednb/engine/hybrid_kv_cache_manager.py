@@ -104,10 +104,13 @@ class HybridKVCacheManager:
         return [next((entry for entry in entries if entry[1] is not None), entries[0]) for entries in zip(*maps)]
 
     def reference_counts(self) -> dict[int, int]:
+        """Holders of each block over every group. A block holds one group's layers, so two groups holding the
+        same block would write each other's K/V: asserted here (the engine's check_integrity, for tests)."""
         counts: dict[int, int] = {}
         for group in self.groups:
             for block_id, n in group.reference_counts().items():
-                counts[block_id] = counts.get(block_id, 0) + n
+                assert block_id not in counts, f"block {block_id} is held by two layer groups"
+                counts[block_id] = n
         return counts
 
 
