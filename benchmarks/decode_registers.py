@@ -67,7 +67,8 @@ def compare(dtype: str, ours: dict, theirs: dict) -> bool:
             twin = name.replace(", true>(", ", false>(")
             split.append((name, res, ours.get(twin, ours.get(twin.replace(">(", ", 1>(")))))
             continue
-        ref = theirs.get(name, theirs.get(name.replace(", false>(", ">(")))  # (a ref before SPLIT existed)
+        ref = theirs.get(name.replace(">(", ", 1>("),  # a ref with KVC, then one before KVC, before SPLIT
+                         theirs.get(name, theirs.get(name.replace(", false>(", ">("))))
         if ref == res:
             same += 1
         else:
