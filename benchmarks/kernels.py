@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pagednb.attention import AttentionMetadata  # noqa: E402
+from pagednb.attention.cuda_backend import DEFAULT_ROW_VARIANT  # noqa: E402
 
 H, HKV, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
@@ -103,7 +104,7 @@ def bench_decode(backend, B: int, T: int, reps: int, gen) -> dict:
         backend.row_variant = variant
         by_variant[variant] = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in sets],
                                       reps)
-    backend.row_variant = 2
+    backend.row_variant = DEFAULT_ROW_VARIANT
     ours = by_variant[2]
     sd = []
     for _ in range(n):
@@ -135,7 +136,8 @@ WORKLOAD_PLANS = "engine,batch-order"
 def apply_plan(backend, name: str) -> None:
     """Sets the backend's launch knobs for one named plan: "engine" (its defaults), "batch-order", "split:N",
     "tail:N", or several joined by "+" ("batch-order+split:768")."""
-    backend.longest_first, backend.split_tokens, backend.tail_tokens, backend.row_variant = True, None, None, 2
+    backend.longest_first, backend.split_tokens, backend.tail_tokens = True, None, None
+    backend.row_variant = DEFAULT_ROW_VARIANT
     for part in name.split("+"):
         if part == "uniform":
             continue  # the engine's knobs, other inputs (bench_workload)
@@ -287,8 +289,8 @@ def copy_bandwidth(reps: int) -> float:
 
 
 def bench_fp8_heads(backend, heads: int, kv_heads: int, B: int, T: int, reps: int, gen, copy: float) -> dict:
-    """fp8 decode at another head count (Qwen3-0.6B's 16 q / 8 kv: 2 per kv head), tensor cores (variant 2) vs
-    the row kernel (variant 1): the evidence for group_mma_applies' choice there."""
+    """fp8 decode at another head count (Qwen3-0.6B's 16 q / 8 kv: 2 per kv head), tensor cores (variant 4, the
+    default) vs the row kernel (variant 2 there)."""
     global H, HKV
     saved = H, HKV
     H, HKV = heads, kv_heads
@@ -296,11 +298,11 @@ def bench_fp8_heads(backend, heads: int, kv_heads: int, B: int, T: int, reps: in
     kv_bytes = 2 * B * T * HKV * D
     sets = [paged_decode_inputs([T] * B, gen, T, FP8_DTYPE) for _ in range(sets_for(kv_bytes))]
     r = {}
-    for variant, name in ((2, "tensor_cores"), (1, "row_kernel")):
+    for variant, name in ((4, "tensor_cores"), (2, "row_kernel")):
         backend.row_variant = variant
         ms = time_ms([lambda s=s: backend.attend(s[0], s[1], s[2], D ** -0.5, None) for s in sets], reps)
         r[name] = {"ms": ms, "GBps": kv_bytes / ms / 1e6, "of_copy": kv_bytes / ms / 1e6 / copy}
-    backend.row_variant = 2
+    backend.row_variant = DEFAULT_ROW_VARIANT
     H, HKV = saved
     del sets
     torch.cuda.empty_cache()

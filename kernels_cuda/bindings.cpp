@@ -135,8 +135,8 @@ int pagednb_row_plan(int dtype, int head_dim, int G, int Hkv, int rows, int rang
   return 0;
 }
 
-// 1 where decode rows of this configuration run on the tensor-core kernel, 0 on the row kernel (the one that
-// follows AttnParams.row_order: the backend sorts the rows only for it).
+// 1 where decode rows of this configuration run on the tensor-core kernel, 0 on the row kernel (tests and
+// benchmarks ask; both follow AttnParams.row_order).
 int pagednb_decode_tensor_cores(int dtype, int head_dim, int G, int variant, int cache_fp8) {
   return pagednb::group_mma_applies(dtype, head_dim, G, variant, cache_fp8) ? 1 : 0;
 }

@@ -22,7 +22,8 @@
 // An fp8 cache (KV = Fp8E4M3, 16-bit queries): the same kernel with 16 fp8 values per 16-byte load, so a
 // lane covers 16 elements of a row (twice a 16-bit cache's) and a warp twice the tokens per step; K/V are
 // converted to float as they are used, k_scale is folded into q's pre-scale and v_scale into the output.
-// Launch order: the grid is (head columns, rows, partitions), so a row's CTAs are consecutive, and p.row_order
+// Launch order (the tensor-core decode kernel's too, its head columns the kv heads): the grid is (head columns,
+// rows, partitions), so a row's CTAs are consecutive, and p.row_order
 // (when set) lists the rows longest first. A launch of many rows of mixed lengths (the standard workload: 100
 // to 2,000 keys) then ends on its shortest CTAs instead of a long row started last running alone, and a row's
 // CTAs run together (its block table and token rows read by all of them at once). The row rank is blockIdx.y
@@ -84,9 +85,8 @@ __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& 
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 // The counter of a (row, head column) is its CTAs' (blockIdx.x, blockIdx.y), the same in each partition
-// (blockIdx.z): row x kv head in the tensor-core kernel's (rows, kv heads) grid, head column x row rank in the
-// row kernel's (head columns, rows) one (past kMaxGridRows rows, whole blocks of them: the backend's array is
-// that large).
+// (blockIdx.z): head column x row rank in both decode kernels' (head columns, rows) grid (a kv head is a column
+// of the tensor-core kernel's; past kMaxGridRows rows, whole blocks of them: the backend's array is that large).
 __device__ __forceinline__ bool last_partition(const AttnParams& p, int parts) {
   __shared__ bool s_last;
   __syncthreads();
@@ -237,7 +237,7 @@ constexpr int kPrefetchBytes = 64 << 10;  // K/V bytes a SPLIT CTA prefetches in
 // first kPrefetchBytes of K/V (a whole 128-token partition at head_dim 128) are prefetched into L2, where
 // the copies after the wait find them. Allowed before the wait (common.cuh's rule 1): the metadata comes
 // from host copies and non-PDL torch kernels, all complete before the step's first PDL kernel starts (not
-// the row kernel's row_order, sorted mid-step: a sorted launch, >= 32 rows, waits before it reads it); a
+// the decode kernels' row_order, sorted mid-step: a sorted launch, >= 32 rows, waits before it reads it); a
 // prefetch returns no value (L2 is the point of coherence), so the token the kernel before writes is read
 // after the wait as ever. False: nothing to do in this CTA (no row, or a partition past its keys), returned
 // after the wait as every CTA must.
@@ -265,17 +265,12 @@ __device__ __forceinline__ bool split_entry(const AttnParams& p, int row, int kv
   pdl_wait();
   return work;
 }
-// The tensor-core kernel's form: its CTAs serve row blockIdx.x.
-template <typename KV, int D, int NT>
-__device__ __forceinline__ bool split_entry(const AttnParams& p, int kvh, RowKeys& keys) {
-  return split_entry<KV, D, NT>(p, blockIdx.x, kvh, keys);
-}
 
 // gridDim.y's limit: a row-kernel launch of more rows (a prefill-sized float32 or mixed step) continues in
 // further blocks of `cols` head columns along x.
 constexpr int kMaxGridRows = 65535;
 
-// The query row of a row-kernel CTA (see "Launch order" at the top); its head column is blockIdx.x % cols.
+// The query row of a decode CTA (see "Launch order" at the top); its head column is blockIdx.x % cols.
 __device__ __forceinline__ int cta_row(const AttnParams& p, int cols) {
   const int rank = blockIdx.y + (blockIdx.x / cols) * kMaxGridRows;
   return p.row_order ? (int)p.row_order[rank] : rank;

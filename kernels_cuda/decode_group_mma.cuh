@@ -60,16 +60,18 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   unsigned char* work = dyn_smem;
 
-  const int row = blockIdx.x;
+  if constexpr (SPLIT)  // the order is written by the step's sort, a kernel of this step: read after the wait
+    if (p.row_order) pdl_wait();
+  const int row = cta_row(p, p.Hkv);  // the row kernel's launch order (decode.cuh)
+  const int kvh = blockIdx.x % p.Hkv;
   RowKeys keys;
   if constexpr (SPLIT) {
-    if (!split_entry<KV, D, C::NT>(p, blockIdx.y, keys)) return;
+    if (!split_entry<KV, D, C::NT>(p, row, kvh, keys)) return;
   } else {
     if (!row_keys(p, row, keys)) return;
   }
   const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
 
-  const int kvh = blockIdx.y;
   const int G = p.G;
   const int h0 = kvh * G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -442,15 +444,18 @@ __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnPar
   constexpr int NW = C::NW, BN = C::BN, S = C::S, CPR = C::CPR, CPL = C::CPL;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
 
-  const int row = blockIdx.x;
+  if constexpr (SPLIT)  // the order is written by the step's sort, a kernel of this step: read after the wait
+    if (p.row_order) pdl_wait();
+  const int cols = p.Hkv / KH;
+  const int row = cta_row(p, cols);  // the row kernel's launch order (decode.cuh)
+  const int kvh0 = blockIdx.x % cols * KH, G = p.G;
   RowKeys keys;
   if constexpr (SPLIT) {
-    if (!split_entry<Fp8E4M3, D, C::NT>(p, blockIdx.y, keys)) return;
+    if (!split_entry<Fp8E4M3, D, C::NT>(p, row, kvh0, keys)) return;
   } else {
     if (!row_keys(p, row, keys)) return;
   }
   const int t_begin = keys.t_begin, t_end = keys.t_end;
-  const int kvh0 = blockIdx.y * KH, G = p.G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
 
   // this warp's tiles of the partition: j = warp, warp + NW, ...
@@ -573,7 +578,9 @@ template <typename T, typename KV, int D, bool CAP, bool SPLIT>
 int launch_group_mma_variant(const AttnParams& p, cudaStream_t st) {
   using C = GroupMmaCfg<D>;
   if (const cudaError_t e = configure_group_mma<T, KV, D, CAP, SPLIT>(); e != cudaSuccess) return (int)e;
-  const dim3 grid(p.num_rows, p.Hkv, p.P);
+  const int blocks = (p.num_rows + kMaxGridRows - 1) / kMaxGridRows;
+  if (p.row_order && blocks > 1) return -1;  // the order covers one block of rows
+  const dim3 grid(p.Hkv * blocks, blocks > 1 ? kMaxGridRows : p.num_rows, p.P);  // as the row kernel's
   return launch_pdl(group_mma_decode_kernel<T, KV, D, CAP, SPLIT>, grid, dim3(C::NT), C::SMEM, st, p);
 }
 
@@ -612,7 +619,9 @@ template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT>
 int launch_group_fp8_variant(const AttnParams& p, cudaStream_t st) {
   using C = GroupFp8Cfg<D, KH>;
   if (const cudaError_t e = configure_group_fp8<T, D, KH, NN, CAP, SPLIT>(); e != cudaSuccess) return (int)e;
-  const dim3 grid(p.num_rows, p.Hkv / KH, p.P);
+  const int cols = p.Hkv / KH, blocks = (p.num_rows + kMaxGridRows - 1) / kMaxGridRows;
+  if (p.row_order && blocks > 1) return -1;  // the order covers one block of rows
+  const dim3 grid(cols * blocks, blocks > 1 ? kMaxGridRows : p.num_rows, p.P);  // as the row kernel's
   return launch_pdl(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT>, grid, dim3(C::NT), C::SMEM, st, p);
 }
 

@@ -40,7 +40,8 @@ struct AttnParams {
   int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
   float scale_log2;          // softmax scale * log2(e)
   int row_variant;           // row kernel: 2 = tensor cores for large GQA groups where group_mma_applies, else
-                             // as 1 (the default); 3 = as 2, with two kv heads per CTA where row_kv_per_cta;
+                             // as 1; 3 = as 2, with two kv heads per CTA where row_kv_per_cta; 4 (the backend's
+                             // default) = as 2, with tensor cores for an fp8 cache from 2 heads (group_mma_applies);
                              // 1 = cp.async ring (16-bit types); 0 = direct loads
   float softcap_log2;        // attention logit soft-capping (Gemma 2) in log2 units, softcap * log2(e); 0: none
   int cache_fp8;             // 1: the cache holds float8 e4m3, fp8(x / scale) (common.cuh); 0: the query's dtype
@@ -48,14 +49,16 @@ struct AttnParams {
 };
 
 // The tensor-core decode kernel (decode_group_mma.cuh) serves the rows of 16-bit models with 4 to 16 query
-// heads per kv head at head_dim 64 (Llama 3.2 1B/3B), under row_variant 2: there the row kernel is
-// instruction-bound (benchmarks/NOTES.md). At head_dim 128 the row kernel already reads K/V at ~4 TB/s and
+// heads per kv head at head_dim 64 (Llama 3.2 1B/3B), under row variants 2-4: there the row kernel is
+// instruction-bound (benchmarks/NOTES.md). At head_dim 128 the row kernel already reads 16-bit K/V at ~4 TB/s and
 // keeps them. Over an fp8 cache the row kernel does twice the multiply-adds per byte read (plus the
-// conversions), so for 4-16 heads the tensor-core kernel serves head_dim 128 as well; with 2 heads per kv head
-// the row kernel reads fp8 at 3,626 GB/s, the tensor-core one at 3,404 (benchmarks/NOTES.md, issue 19).
-// Bindings (split plan) and launchers (dispatch) both ask this one function.
+// conversions), so the tensor-core kernel serves head_dim 128 as well: from 4 heads per kv head under variants 2
+// and 3, from 2 under variant 4 (the backend's default since issue 19's ninth round: with Qwen3-0.6B's 2 heads
+// per kv head the row kernel spends ~4 instructions per fp8 byte; the tensor-core kernel, launched longest first,
+// ran the standard workload 5.9% faster). Bindings (split plan) and launchers (dispatch) both ask this function.
 inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant, int cache_fp8) {
-  return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= 4 && G <= 16 &&
+  const int min_group = row_variant == 4 && cache_fp8 && head_dim == 128 ? 2 : 4;
+  return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= min_group && G <= 16 &&
          (head_dim == 64 || (cache_fp8 && head_dim == 128));
 }
 

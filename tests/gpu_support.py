@@ -29,8 +29,9 @@ def built_kernels(get: Callable[[], K | None]) -> K:
 
 
 def cuda_backend(row_variant: int):
-    """The CUDA attention backend on the built kernels (skips on a CPU) with this decode-row variant (2, the
-    default: tensor cores where they apply, else as 1; 1: the row kernel's cp.async ring; 0: direct loads)."""
+    """The CUDA attention backend on the built kernels (skips on a CPU) with this decode-row variant (4, the
+    default, and 2: tensor cores where they apply (4 also for an fp8 cache with 2-3 query heads per kv head at
+    head_dim 128), else as 1; 1: the row kernel's cp.async ring; 0: direct loads)."""
     from pagednb.attention.cuda_backend import CudaPagedBackend
     from pagednb.kernels import load_kernels
     backend = CudaPagedBackend(built_kernels(load_kernels))

@@ -34,8 +34,8 @@ def test_cpu_selection_is_the_reference_and_forcing_cuda_on_cpu_raises():
 # ---- GPU cases ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[2, 1, 0], ids=["rows-tensor-core", "rows-pipelined", "rows-direct"])
 def backend(request):
-    """The backend with each row-kernel variant (2, the default: tensor cores for 16-bit rows with 4-16
-    query heads per kv head at head_dim 64, else as 1; 1: cp.async ring; 0: direct loads)."""
+    """The backend with each row-kernel variant (2, as the default 4 over a 16-bit cache: tensor cores for
+    16-bit rows with 4-16 query heads per kv head at head_dim 64, else as 1; 1: cp.async ring; 0: direct loads)."""
     return cuda_backend(request.param)
 
 

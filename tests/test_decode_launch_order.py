@@ -1,14 +1,15 @@
-"""The row kernel's launch order: decode steps of ORDER_MIN_ROWS rows or more run their rows longest first.
+"""The decode kernels' launch order: decode steps of ORDER_MIN_ROWS rows or more run their rows longest first.
 
 CudaPagedBackend sorts a step's sequence lengths on the device (once per step, recorded in the decode CUDA graphs)
-and the row kernel takes its row from that order by its grid position (kernels_cuda/decode.cuh, "Launch order").
+and the row kernel, like the tensor-core decode kernel, takes its row from that order by its grid position
+(kernels_cuda/decode.cuh, "Launch order").
 Checked: a sorted launch matches the reference and is bit-identical to the same launch in batch order (a CTA's
 work does not depend on when it runs), with one-partition and split-K launches (whose counters are indexed by the
-CTA's grid position), two CTAs per kv head, a sliding window, float32 rows and an fp8 cache (one kv head per CTA,
-and two under row variant 3, with an odd number of kv heads among the cases); a captured graph's
-sort follows the lengths of each replay; steps the order does not apply to (prefill chunks, few rows, the
-tensor-core kernel) launch in batch order; a launch of more rows than gridDim.y holds continues along x, split
-launches included.
+CTA's grid position), two CTAs per kv head, a sliding window, float32 rows, the tensor-core kernel (Llama-3.2-1B's
+heads) and an fp8 cache (one kv head per CTA, two under row variant 3, with an odd number of kv heads among the
+cases, and the tensor-core kernel for 2-4 query heads per kv head under variants 2 and 4); a captured graph's sort
+follows the lengths of each replay; steps the order does not apply to (prefill chunks, few rows) launch in batch
+order; a launch of more rows than gridDim.y holds continues along x (both kernels), split launches included.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from gpu_support import captured, cuda_backend, gpu
 from test_cuda_kernels import Case, check
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["rows-default", "rows-pipelined"])
+@pytest.fixture(scope="module", params=[2, 1], ids=["rows-variant-2", "rows-pipelined"])
 def backend(request):
     return cuda_backend(request.param)
 
@@ -74,6 +75,7 @@ SORTED = [
     (40, 16, 1, 128, 16, torch.bfloat16, None),     # 16 heads per kv head at head_dim 128: two CTAs of 8 each
     (48, 4, 1, 256, 16, torch.bfloat16, 300),       # the Gemma-3-1B shape, a sliding layer
     (33, 8, 2, 64, 32, torch.float32, None),        # float32 rows
+    (64, 32, 8, 64, 16, torch.bfloat16, None),      # Llama-3.2-1B: the tensor-core kernel under variant 2
 ]
 
 
@@ -100,8 +102,12 @@ def test_longest_first_matches_the_reference_and_batch_order_bit_for_bit(backend
 
 
 # (rows, heads, kv_heads, forced partition tokens): over an fp8 cache at head_dim 128, kv heads with at most 2 query
-# heads run in pairs per CTA under row variant 3 (launchers.h row_kv_per_cta), one per CTA under 2 and 1
+# heads run in pairs per CTA under row variant 3 (launchers.h row_kv_per_cta), one per CTA under 2 and 1, on the
+# tensor-core kernel under 4 (2 query heads and more, a kv-head pair per CTA in one-partition launches); 4 query
+# heads per kv head take the tensor-core kernel under 2 and 4
 FP8 = [
+    (80, 32, 8, None),   # 4 query heads per kv head
+    (40, 32, 8, 64),     # the same, split into many partitions
     (96, 16, 8, None),   # Qwen3-0.6B's heads: pairs of kv heads, 2 query heads each
     (64, 8, 8, None),    # one query head per kv head: pairs
     (48, 6, 3, None),    # an odd number of kv heads: one per CTA
@@ -111,16 +117,16 @@ FP8 = [
 
 
 @gpu
-@pytest.mark.parametrize("paired", [False, True], ids=["variant", "variant-3"])
+@pytest.mark.parametrize("variant", [None, 3, 4], ids=["variant", "variant-3", "variant-4"])
 @pytest.mark.parametrize("case_id", range(len(FP8)))
-def test_an_fp8_cache_matches_the_reference_and_batch_order(backend, case_id, paired):
+def test_an_fp8_cache_matches_the_reference_and_batch_order(backend, case_id, variant):
     from test_fp8_kv_cache import check_fp8
 
     from pagednb.attention.cuda_backend import ORDER_MIN_ROWS
     from pagednb.attention.kv_quant import FP8_DTYPE, quantize
     rows, h, hkv, split = FP8[case_id]
-    if paired:
-        backend.row_variant = 3  # two kv heads per CTA (the fixture's variant is restored after the test)
+    if variant is not None:
+        backend.row_variant = variant  # the fixture's variant is restored after the test
     backend.split_tokens = backend.tail_tokens = split
     case = Case(mixed_lens(random.Random(70 + case_id), rows, 2000), [1] * rows, h, hkv, 128, 16, torch.bfloat16,
                 pad_rows=1, seed=70 + case_id)
@@ -186,21 +192,23 @@ def test_steps_the_order_does_not_apply_to_launch_in_batch_order(backend):
     mixed = Case(lens, [1] * 39 + [50], 16, 8, 128, 16, torch.bfloat16, seed=5)
     check(backend, mixed)
     assert row_order(mixed.md) is None, "a step with a prefill chunk is launched in batch order"
-    # Llama-3.2-1B's heads: the tensor-core kernel under variant 2 (batch order), the row kernel under 1
+    # Llama-3.2-1B's heads: the tensor-core kernel under variant 2, the row kernel under 1, sorted alike
     llama = Case(mixed_lens(rng, 64, 900), [1] * 64, 32, 8, 64, 16, torch.bfloat16, seed=6)
     check(backend, llama)
-    assert (row_order(llama.md) is None) == (backend.row_variant == 2)
+    assert row_order(llama.md) is not None
 
 
 @gpu
-def test_more_rows_than_grid_y_holds_continue_along_x(backend):
+@pytest.mark.parametrize("heads, head_dim", [(2, 16), (4, 64)], ids=["row-kernel", "tensor-cores-under-variant-2"])
+def test_more_rows_than_grid_y_holds_continue_along_x(backend, heads, head_dim):
     # 70,000 decode rows (unsorted: past GRID_ROWS) of a tiny shape: rows 65,535 on run in a second block of
     # head columns; every row must match the reference, none left unwritten
     from pagednb.attention.cuda_backend import GRID_ROWS
     rows = 70_000
     assert rows > GRID_ROWS
     rng = random.Random(13)
-    case = Case([rng.randint(1, 40) for _ in range(rows)], [1] * rows, 2, 1, 16, 16, torch.bfloat16, seed=13)
+    case = Case([rng.randint(1, 40) for _ in range(rows)], [1] * rows, heads, 1, head_dim, 16, torch.bfloat16,
+                seed=13)
     check(backend, case)
     assert row_order(case.md) is None
 
@@ -219,3 +227,17 @@ def test_a_split_decode_launch_beside_more_prefill_rows_than_grid_y_holds(backen
     check(backend, case)
     assert next(iter(case.md._cuda_plan.row_plans.values()))[0] > 1, "the decode rows are split"
     assert counters_are_zero(backend)
+
+
+def test_the_row_variant_knob_is_read_from_the_environment_and_checked(monkeypatch):
+    # PAGEDNB_ROW_VARIANT picks the decode kernels' variant for A/B runs of a whole engine
+    # (benchmarks/whole_run_ab.py); unset, the default; anything else is refused, naming the variable
+    from pagednb.attention.cuda_backend import DEFAULT_ROW_VARIANT, row_variant_from_env
+    monkeypatch.delenv("PAGEDNB_ROW_VARIANT", raising=False)
+    assert row_variant_from_env() == DEFAULT_ROW_VARIANT == 4
+    monkeypatch.setenv("PAGEDNB_ROW_VARIANT", "2")
+    assert row_variant_from_env() == 2
+    for bad in ("5", "-1", "two", "2.0"):
+        monkeypatch.setenv("PAGEDNB_ROW_VARIANT", bad)
+        with pytest.raises(ValueError, match="PAGEDNB_ROW_VARIANT must be one of"):
+            row_variant_from_env()

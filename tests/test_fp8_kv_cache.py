@@ -256,10 +256,12 @@ def test_llama2c_stories_are_the_same_for_50_tokens_with_fp8():
 
 
 # ---- GPU: the kernels on an fp8 cache vs the reference on the same cache ------------------------------------
-@pytest.fixture(scope="module", params=[2, 1, 0], ids=["rows-default", "rows-pipelined", "rows-direct"])
+@pytest.fixture(scope="module", params=[4, 2, 1, 0], ids=["rows-default", "rows-variant-2", "rows-pipelined",
+                                                          "rows-direct"])
 def backend(request):
-    """The CUDA backend with each row-kernel variant (2: tensor cores for 4-16 query heads per kv head at
-    head_dim 64 and 128 over an fp8 cache, else as 1; 1: the row kernel's cp.async ring; 0: direct loads)."""
+    """The CUDA backend with each row-kernel variant (4, the default: tensor cores for 2-16 query heads per kv
+    head at head_dim 128 and 4-16 at head_dim 64 over an fp8 cache, else as 1; 2: as 4 from 4 query heads per kv
+    head; 1: the row kernel's cp.async ring; 0: direct loads)."""
     return cuda_backend(request.param)
 
 
@@ -326,6 +328,38 @@ def test_fp8_decode_matches_reference(backend, case_id):
     if batch > 1:
         seq_lens[1] = 1
     check_fp8(backend, Case(seq_lens, [1] * batch, h, hkv, d, bs, dtype, window, seed=case_id), ks, vs)
+
+
+# The default row variant (4) runs an fp8 cache at head_dim 128 with 2-3 query heads per kv head (Qwen3-0.6B's
+# 16 / 8) on the tensor-core kernel, rows 2.. (3..) of its MMA tile padding, where variant 2 takes the row kernel.
+# (batch, max_len, heads, kv_heads, block_size, window)
+FP8_SMALL_GROUPS = [
+    (256, 1024, 16, 8, 32, None),   # one partition: two kv heads per CTA, rows longest first
+    (64, 4096, 16, 8, 16, None),
+    (1, 32768, 16, 8, 16, None),    # split-K
+    (24, 3000, 24, 8, 16, 700),     # 3 per kv head, sliding window
+    (10, 2000, 4, 2, 16, None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case_id", range(len(FP8_SMALL_GROUPS)))
+def test_fp8_tensor_cores_serve_two_heads_per_kv_head_by_default(case_id):
+    from test_cuda_kernels import Case
+
+    from pagednb.attention.cuda_backend import DEFAULT_ROW_VARIANT
+    batch, max_len, h, hkv, bs, window = FP8_SMALL_GROUPS[case_id]
+    backend = cuda_backend(DEFAULT_ROW_VARIANT)
+    bf16 = backend._dtype_codes[torch.bfloat16]
+    assert backend._lib.pagednb_decode_tensor_cores(bf16, 128, h // hkv, DEFAULT_ROW_VARIANT, 1) == 1
+    assert backend._lib.pagednb_decode_tensor_cores(bf16, 128, h // hkv, 2, 1) == 0, "variant 2: the row kernel"
+    rng = random.Random(900 + case_id)
+    seq_lens = [rng.randint(1, max_len) for _ in range(batch)]
+    seq_lens[0] = max_len
+    if batch > 1:
+        seq_lens[1] = 1
+    check_fp8(backend, Case(seq_lens, [1] * batch, h, hkv, 128, bs, torch.bfloat16, window, seed=900 + case_id),
+              0.5, 2.0)
 
 
 # The tensor-core kernel over an fp8 cache (4-16 query heads per kv head, head_dim 64 and 128; two kv heads per

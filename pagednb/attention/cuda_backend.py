@@ -8,7 +8,8 @@ skipped); `attend` runs
     split step is still one launch (the kernels' SPLIT instantiations: a one-partition step, every large
     batch, runs kernels without the merge); a decode step of ORDER_MIN_ROWS rows or more launches its rows
     longest first (`_row_order`: one device sort per step, so the launch does not end on a long row running
-    alone); in float32 it serves every row (the test path). For bf16/fp16
+    alone; the tensor-core kernel below launches in the same order); in float32 it serves every row (the test
+    path). For bf16/fp16
     models with 4-16 query heads per kv head at head_dim 64 (Llama 3.2 1B/3B) the decode rows run on
     tensor cores instead (the kv head's query heads as the rows of an mma tile;
     kernels_cuda/decode_group_mma.cuh), with the same split-K merge;
@@ -38,16 +39,32 @@ from pagednb.attention.torch_ref import TorchReferenceBackend
 from pagednb.kernels import AttnParams, check_status, current_stream, dtype_codes, head_dims, load_error, load_kernels
 
 LOG2E = 1.4426950408889634
-# Decode steps of at least this many rows launch the row kernel's rows longest first (one device sort per step,
-# replayed by the decode graphs on each step's lengths). Fewer rows are one wave of CTAs (split-K fills it) where
-# the order hardly matters and a batch-1 step would pay the sort's launches.
+# Decode steps of at least this many rows launch their rows longest first (row and tensor-core kernels; one device
+# sort per step, replayed by the decode graphs on each step's lengths). Fewer rows are one wave of CTAs (split-K
+# fills it) where the order hardly matters and a batch-1 step would pay the sort's launches.
 ORDER_MIN_ROWS = 32
-# The row kernel's grid holds rows in blocks of this many (gridDim.y's limit; decode.cuh's kMaxGridRows): a sorted
+# Decode rows run on the tensor-core kernel for 4-16 query heads per kv head at head_dim 64 (16-bit or fp8 cache)
+# and for 2-16 at head_dim 128 over an fp8 cache (launchers.h group_mma_applies), else on the row kernel. Over an
+# fp8 cache with 2 query heads per kv head (Qwen3-0.6B) the tensor-core kernel, launched longest first, ran the
+# standard workload 5.9% faster than the row kernel (benchmarks/NOTES.md, issue 19, ninth round).
+DEFAULT_ROW_VARIANT = 4
+ROW_VARIANTS = range(5)
+# The decode kernels' grid holds rows in blocks of this many (gridDim.y's limit; decode.cuh's kMaxGridRows): a sorted
 # launch fits one block, and split-K counters cover whole blocks.
 GRID_ROWS = 65535
 # The split-K counter array's smallest size: every decode CUDA graph's rows x kv heads fits, so it is
 # allocated once, before the first capture.
 MIN_PART_COUNTERS = 1 << 16
+
+
+def row_variant_from_env() -> int:
+    """PAGEDNB_ROW_VARIANT (an A/B knob of benchmarks/whole_run_ab.py), else DEFAULT_ROW_VARIANT."""
+    raw = os.environ.get("PAGEDNB_ROW_VARIANT", "").strip()
+    if not raw:
+        return DEFAULT_ROW_VARIANT
+    if not raw.isdigit() or int(raw) not in ROW_VARIANTS:
+        raise ValueError(f"PAGEDNB_ROW_VARIANT must be one of {list(ROW_VARIANTS)}, got {raw!r}")
+    return int(raw)
 
 
 class _StepPlan:
@@ -115,12 +132,12 @@ class CudaPagedBackend(AttentionBackend):
         self._warned: set[str] = set()
         self._num_sms: dict[int, int] = {}
         self._part_counters: dict[int, list[torch.Tensor]] = {}
-        self._tensor_cores: dict[tuple, bool] = {}
-        # decode rows (launchers.h): 2 = tensor cores for large GQA groups, else as 1; 3 = as 2, with two kv heads
-        # per CTA for an fp8 cache with <= 2 query heads per kv head at head_dim 128; 1 = the cp.async-pipelined
-        # row kernel (bf16/fp16); 0 = direct loads. 3, 1 and 0 exist for benchmarks and tests.
-        self.row_variant = 2
-        # the row kernel's rows longest first at ORDER_MIN_ROWS and more (False: in batch order; PAGEDNB_LONGEST_FIRST=0
+        # decode rows (launchers.h): DEFAULT_ROW_VARIANT, or for benchmarks and tests (PAGEDNB_ROW_VARIANT sets it
+        # for A/B runs of a whole engine) 2 (as 4 but for an fp8 cache with 2-3 query heads per kv head at head_dim
+        # 128: the row kernel), 3 (as 2, with two kv heads per row-kernel CTA there), 1 (the cp.async-pipelined row
+        # kernel (bf16/fp16)) or 0 (direct loads)
+        self.row_variant = row_variant_from_env()
+        # decode rows longest first at ORDER_MIN_ROWS and more (False: in batch order; PAGEDNB_LONGEST_FIRST=0
         # sets it for A/B runs of a whole engine, as PAGEDNB_PDL=0 does for programmatic dependent launch)
         self.longest_first = os.environ.get("PAGEDNB_LONGEST_FIRST", "1") != "0"
         # A/B knobs of benchmarks/kernels.py --only workload (None: the planner's choice): one-partition launches
@@ -250,7 +267,7 @@ class CudaPagedBackend(AttentionBackend):
                 rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant, fp8,
                                     plan.rows if decode_only == 0 else plan.num_decode,
                                     min(plan.max_seq_len, window) if window else plan.max_seq_len, query.device)
-                rp = (*rp, self._row_order(plan, dtype, head_dim, p.G, fp8))
+                rp = (*rp, self._row_order(plan))
                 plan.row_plans[key] = rp
             p.P, p.part_size, p.head_groups, order = rp
             if order is not None:
@@ -284,18 +301,13 @@ class CudaPagedBackend(AttentionBackend):
             return -(-range_max // forced), forced, groups.value
         return P.value, size.value, groups.value
 
-    def _row_order(self, plan: _StepPlan, dtype: int, head_dim: int, group: int, fp8: bool) -> torch.Tensor | None:
-        """The step's rows longest first (int64 indices into the rows) for the row kernel's launch order, or None:
-        rows in batch order. Only a step whose rows are one per sequence (no prefill chunk) is sorted, and only for
-        the row kernel (the tensor-core one launches in batch order)."""
+    def _row_order(self, plan: _StepPlan) -> torch.Tensor | None:
+        """The step's rows longest first (int64 indices into the rows) for the decode kernels' launch order (row
+        kernel and tensor-core kernel alike), or None: rows in batch order. Only a step whose rows are one per
+        sequence (no prefill chunk) is sorted."""
         if not self.longest_first or plan.rows != plan.num_seqs or not ORDER_MIN_ROWS <= plan.rows <= GRID_ROWS:
             return None
-        key = (dtype, head_dim, group, self.row_variant, fp8)
-        tensor_cores = self._tensor_cores.get(key)
-        if tensor_cores is None:
-            tensor_cores = self._tensor_cores[key] = bool(self._lib.pagednb_decode_tensor_cores(
-                dtype, head_dim, group, self.row_variant, int(fp8)))
-        return None if tensor_cores else torch.argsort(plan.seq_lens, descending=True)
+        return torch.argsort(plan.seq_lens, descending=True)
 
     def _counters(self, device: torch.device, n: int) -> torch.Tensor:
         """At least n split-K counters on this device (one per decode CTA column: row x kv head [x head
