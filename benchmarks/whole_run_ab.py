@@ -16,6 +16,7 @@ import os
 import statistics
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 from common import print_table, save
 from shapes import SHAPES, make_model_dir, workload
@@ -36,16 +37,8 @@ def parse_config(text: str) -> dict[str, str]:
 
 
 def run_with(settings: dict[str, str], model_dir: Path, prompts, outputs, args) -> dict:
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
+    with mock.patch.dict(os.environ, settings):  # restored afterwards, whatever was set before
         return run_pagednb(model_dir, prompts, outputs, args)["all"]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:

@@ -276,6 +276,15 @@ __device__ __forceinline__ int cta_row(const AttnParams& p, int cols) {
   return p.row_order ? (int)p.row_order[rank] : rank;
 }
 
+// The decode kernels' grid (head columns, rows, partitions) for `cols` head columns, the layout cta_row decodes;
+// false where a sorted launch would need more than one block of rows (the order covers one).
+inline bool decode_grid(const AttnParams& p, int cols, dim3& grid) {
+  const int blocks = (p.num_rows + kMaxGridRows - 1) / kMaxGridRows;
+  if (p.row_order && blocks > 1) return false;
+  grid = dim3(cols * blocks, blocks > 1 ? kMaxGridRows : p.num_rows, p.P);
+  return true;
+}
+
 // T: the query's type; KV: the cache's (T, or Fp8E4M3). CAP: Gemma 2's soft-capping. SPLIT: P > 1.
 // KVC: kv heads per CTA (row_kv_per_cta): with 2, a CTA serves two adjacent kv heads with all of their query
 // heads (G == GMAX), whose token rows are one row of 2 * D elements: a slot's lanes split into one group per kv
@@ -526,9 +535,8 @@ int launch_row_variant(const AttnParams& p, cudaStream_t st) {
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  const int cols = p.Hkv / KVC * p.head_groups, blocks = (p.num_rows + kMaxGridRows - 1) / kMaxGridRows;
-  if (p.row_order && blocks > 1) return -1;  // the order covers one block of rows
-  const dim3 grid(cols * blocks, blocks > 1 ? kMaxGridRows : p.num_rows, p.P);  // see "Launch order"
+  dim3 grid;
+  if (!decode_grid(p, p.Hkv / KVC * p.head_groups, grid)) return -1;
   return launch_pdl(row_attn_kernel<T, KV, D, GMAX, PIPE, CAP, SPLIT, KVC>, grid, dim3(C::NT), smem, st, p);
 }
 

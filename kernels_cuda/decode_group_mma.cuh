@@ -578,9 +578,8 @@ template <typename T, typename KV, int D, bool CAP, bool SPLIT>
 int launch_group_mma_variant(const AttnParams& p, cudaStream_t st) {
   using C = GroupMmaCfg<D>;
   if (const cudaError_t e = configure_group_mma<T, KV, D, CAP, SPLIT>(); e != cudaSuccess) return (int)e;
-  const int blocks = (p.num_rows + kMaxGridRows - 1) / kMaxGridRows;
-  if (p.row_order && blocks > 1) return -1;  // the order covers one block of rows
-  const dim3 grid(p.Hkv * blocks, blocks > 1 ? kMaxGridRows : p.num_rows, p.P);  // as the row kernel's
+  dim3 grid;
+  if (!decode_grid(p, p.Hkv, grid)) return -1;
   return launch_pdl(group_mma_decode_kernel<T, KV, D, CAP, SPLIT>, grid, dim3(C::NT), C::SMEM, st, p);
 }
 
@@ -619,9 +618,8 @@ template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT>
 int launch_group_fp8_variant(const AttnParams& p, cudaStream_t st) {
   using C = GroupFp8Cfg<D, KH>;
   if (const cudaError_t e = configure_group_fp8<T, D, KH, NN, CAP, SPLIT>(); e != cudaSuccess) return (int)e;
-  const int cols = p.Hkv / KH, blocks = (p.num_rows + kMaxGridRows - 1) / kMaxGridRows;
-  if (p.row_order && blocks > 1) return -1;  // the order covers one block of rows
-  const dim3 grid(cols * blocks, blocks > 1 ? kMaxGridRows : p.num_rows, p.P);  // as the row kernel's
+  dim3 grid;
+  if (!decode_grid(p, p.Hkv / KH, grid)) return -1;
   return launch_pdl(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT>, grid, dim3(C::NT), C::SMEM, st, p);
 }
 
