@@ -2,7 +2,7 @@
 
 Two engines of the same code differ by 1-3% run to run (benchmarks/NOTES.md), more than many changes worth having,
 so each configuration here is an environment setting that the engine reads when it starts (PAGEDNB_ROW_VARIANT,
-PAGEDNB_LONGEST_FIRST), and the configurations run in turn, in order and then in reverse, each on a fresh LLM:
+PAGEDNB_LONGEST_FIRST, PAGEDNB_GEMM_PDL), and the configurations run in turn, in order and then in reverse, each on a fresh LLM:
 a slow spell of the machine falls on all of them alike. PAGEDNB_PDL is read once per process, so it is not an
 A/B knob here.
 
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--configs", nargs="+", default=["default"], help="KEY=VALUE[,KEY=VALUE] per configuration")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the configurations, each in order and reversed")
+    ap.add_argument("--tag", default="", help="a name for the result file (whole_run_ab_<shape>_<kv>_<tag>.json)")
     a = ap.parse_args()
     configs = [(c, parse_config(c)) for c in a.configs]
     args = argparse.Namespace(max_num_seqs=256, max_num_batched_tokens=8192, eager=False, shape=a.shape,
@@ -63,8 +64,9 @@ def main() -> None:
                     print(f"{name}: {r['output_tok_per_s']:,.0f} output tok/s ({r['wall_s']:.3f} s)", flush=True)
     rows = [[name, statistics.mean(v), min(v), max(v), len(v)] for name, v in runs.items()]
     print_table(["configuration", "mean tok/s", "min", "max", "runs"], rows)
-    path = save(f"whole_run_ab_{a.shape}_{a.kv_cache_dtype}", {"shape": a.shape, "kv_cache_dtype": a.kv_cache_dtype,
-                                                                "output_tok_per_s": runs})
+    name = f"whole_run_ab_{a.shape}_{a.kv_cache_dtype}" + (f"_{a.tag}" if a.tag else "")
+    path = save(name, {"shape": a.shape, "kv_cache_dtype": a.kv_cache_dtype, "configs": a.configs,
+                       "output_tok_per_s": runs})
     print(f"wrote {path}")
 
 

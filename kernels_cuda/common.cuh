@@ -42,6 +42,20 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // The first line of a kernel with nothing to read before its inputs: let the next kernel launch, then wait.
 #define PAGEDNB_PDL_ENTER() (::pagednb::pdl_launch_dependents(), ::pagednb::pdl_wait())
 
+// When a kernel that may run right before a cuBLAS GEMM lets the next kernel launch (its Trigger template
+// argument): PdlEarly at its first line, as PAGEDNB_PDL_ENTER; PdlLate only as its CTAs exit, after their last
+// memory access (no explicit trigger). A decode graph gives a GEMM behind a PdlLate kernel a programmatic edge
+// (pagednb/engine/graph_edges.py): cuBLAS's GEMM kernels wait before they read their input, but may write their
+// output before that wait, and the output may reuse a buffer the kernel before them read for the last time.
+// The launchers pick PdlLate where a GEMM, not pagednb's GEMV, comes next (more than kGemvMaxRows rows).
+struct PdlEarly { static constexpr bool kEarly = true; };
+struct PdlLate { static constexpr bool kEarly = false; };
+template <typename Trigger>
+__device__ __forceinline__ void pdl_enter() {
+  if constexpr (Trigger::kEarly) pdl_launch_dependents();
+  pdl_wait();
+}
+
 // kernel<<<grid, block, smem, st>>>(args...) in thread-block clusters of `cluster_x` CTAs along x (1: no
 // clusters; more needs sm_90), with programmatic stream serialization where pdl_enabled() (launchers.h);
 // returns the launch's status (0 or a cudaError_t).

@@ -66,12 +66,12 @@ __device__ __forceinline__ float block_sum(float v) {
 // between the sum of squares and the output). With a residual: s = round(x + residual) is written to
 // residual_out and normalised; out = round(w * round(s * rsqrt(mean(s^2) + eps))), or with the weight in
 // float32 (NormWeight) round(s * rsqrt(mean(s^2) + eps) * (w + offset)).
-template <typename T, int ITERS, bool RESIDUAL>
+template <typename T, int ITERS, bool RESIDUAL, typename Trigger>
 __global__ void __launch_bounds__(kNormMaxThreads)
     rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out, const T* __restrict__ x, int64_t x_stride,
                     const T* __restrict__ residual, int64_t residual_stride, const T* __restrict__ weight,
                     int hidden, float eps, float inv_n, NormWeight style) {
-  PAGEDNB_PDL_ENTER();
+  pdl_enter<Trigger>();
   constexpr int VEC = Elem<T>::kVec;
   const int64_t row = blockIdx.x;
   const int nvec = hidden / VEC;
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   }
 }
 
-template <typename T, bool RESIDUAL>
+template <typename T, bool RESIDUAL, typename Trigger>
 int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
   const NormCta cta = rms_norm_cta(a.hidden / Elem<T>::kVec);  // (common.cuh)
   const int iters = cta.iters, threads = cta.threads;
@@ -122,7 +122,7 @@ int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
   const float inv_n = 1.0f / (float)a.hidden;
   int e = 0;
 #define PAGEDNB_RMS_LAUNCH(IT)                                                                                 \
-  e = launch_pdl(rms_norm_kernel<T, IT, RESIDUAL>, dim3(a.rows), dim3(threads), 0, st, out, res_out, x,         \
+  e = launch_pdl(rms_norm_kernel<T, IT, RESIDUAL, Trigger>, dim3(a.rows), dim3(threads), 0, st, out, res_out, x,         \
                  a.x_stride, res, a.residual_stride, w, a.hidden, a.eps, inv_n, a.style);                       \
   break;
   switch (iters) {
@@ -138,8 +138,11 @@ int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
 
 template <typename T>
 int launch_rms_norm_dtype(const RmsNormArgs& a, cudaStream_t st) {
-  return a.residual != nullptr ? launch_rms_norm_residual<T, true>(a, st)
-                               : launch_rms_norm_residual<T, false>(a, st);
+  if (a.rows > kGemvMaxRows)  // a cuBLAS GEMM comes next (common.cuh: PdlLate)
+    return a.residual != nullptr ? launch_rms_norm_residual<T, true, PdlLate>(a, st)
+                                 : launch_rms_norm_residual<T, false, PdlLate>(a, st);
+  return a.residual != nullptr ? launch_rms_norm_residual<T, true, PdlEarly>(a, st)
+                               : launch_rms_norm_residual<T, false, PdlEarly>(a, st);
 }
 
 // ---- q/k RMSNorm + rotary embedding, in place (and the step's K/V into the paged cache) ----------------
@@ -290,10 +293,10 @@ int launch_qk_norm_rope_dtype(const QkRopeArgs& a, cudaStream_t st) {
 // ---- act(gate) * up: SiLU (most models) or GELU-tanh (Gemma 2/3) ----------------------------------------------
 // One thread per 16-byte vector of the output; gate_up rows are [gate (I) | up (I)]. The activation and the
 // product round as torch's CUDA kernels do (common.cuh's silu_and_mul / gelu_tanh_and_mul).
-template <typename T, int GATE>
+template <typename T, int GATE, typename Trigger>
 __global__ void __launch_bounds__(256) gate_and_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
                                                            int64_t stride, int inter, int64_t total_vecs) {
-  PAGEDNB_PDL_ENTER();
+  pdl_enter<Trigger>();
   constexpr int VEC = Elem<T>::kVec;
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= total_vecs) return;
@@ -314,7 +317,9 @@ int launch_gate_and_mul_dtype(void* out, const void* gate_up, int64_t stride, in
   const int64_t total = (int64_t)rows * (inter / Elem<T>::kVec);
   const int64_t blocks = (total + 255) / 256;
   if (blocks > 0x7fffffff) return -1;
-  return launch_pdl(gate_and_mul_kernel<T, GATE>, dim3((unsigned)blocks), dim3(256), 0, st, static_cast<T*>(out),
+  const auto kernel = rows > kGemvMaxRows ? gate_and_mul_kernel<T, GATE, PdlLate>  // a cuBLAS GEMM next
+                                          : gate_and_mul_kernel<T, GATE, PdlEarly>;
+  return launch_pdl(kernel, dim3((unsigned)blocks), dim3(256), 0, st, static_cast<T*>(out),
                     static_cast<const T*>(gate_up), stride, inter, total);
 }
 

@@ -4,7 +4,8 @@ before it finishes, and waits (griddepcontrol.wait) before it reads that kernel'
 GPU only (the H200 device; skipped elsewhere). The switch is read once per process, so each setting runs
 in its own subprocess over the same model, the Qwen3-0.6B shape with random bf16 weights:
 
-  * on a GPU of compute capability 9.0 or later PDL is on by default, and PAGEDNB_PDL=0 turns it off;
+  * on a GPU of compute capability 9.0 or later PDL is on by default, GEMMs included, and PAGEDNB_PDL=0
+    turns it off (PAGEDNB_GEMM_PDL=0: off for the GEMMs only);
   * the engine's outputs are the same bits either way: greedy tokens at batch 1 (GEMV with its weights
     loaded before the wait, SiLU-input GEMV, fused norms, q/k norm + RoPE + cache write, split-K decode
     attention merged in the kernel, the greedy kernel, all in one CUDA graph) and at batch 4 (cuBLAS between
@@ -43,8 +44,9 @@ with LLM(path, gpu_memory_utilization=0.3, max_num_seqs=4, max_model_len=2048) a
     out = llm.generate(prompts[:1], sampled, use_tqdm=False)[0].outputs[0]
     logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
     replays = llm.engine.runner.graphs.num_replays
+    edges = llm.engine.runner.graphs.programmatic_edges
 print(json.dumps({"pdl": load_kernels().pagednb_pdl_enabled(), "one": one, "four": four,
-                  "sampled": out.token_ids, "logprobs": logprobs, "replays": replays}))
+                  "sampled": out.token_ids, "logprobs": logprobs, "replays": replays, "edges": edges}))
 """
 
 
@@ -57,10 +59,9 @@ def model_dir(tmp_path_factory):
     return shapes.make_model_dir("qwen3-0.6b", tmp_path_factory.mktemp("qwen3-0.6b"))
 
 
-def _run(model_dir: Path, pdl: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PAGEDNB_PDL"}
-    if pdl is not None:
-        env["PAGEDNB_PDL"] = pdl
+def _run(model_dir: Path, **switches: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGEDNB_PDL", "PAGEDNB_GEMM_PDL")}
+    env.update(switches)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", _RUN, str(model_dir)], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -70,17 +71,23 @@ def _run(model_dir: Path, pdl: str | None) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
-    return {"default": _run(model_dir, None), "off": _run(model_dir, "0")}
+    return {"default": _run(model_dir), "off": _run(model_dir, PAGEDNB_PDL="0"),
+            "gemms off": _run(model_dir, PAGEDNB_GEMM_PDL="0")}
 
 
 def test_pdl_is_on_by_default_on_hopper_and_off_under_the_switch(runs):
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert runs["default"]["pdl"] == (1 if hopper else 0)
     assert runs["off"]["pdl"] == 0
+    # the GEMMs of every decode graph from 2 rows up (batch 1 runs pagednb's GEMV) overlap the kernel before them
+    assert (runs["default"]["edges"] > 0) == hopper
+    assert runs["off"]["edges"] == 0 and runs["gemms off"]["edges"] == 0
+    assert runs["gemms off"]["pdl"] == runs["default"]["pdl"]
 
 
-def test_outputs_are_the_same_bits_with_and_without_pdl(runs):
-    on, off = runs["default"], runs["off"]
+@pytest.mark.parametrize("other", ["off", "gemms off"])
+def test_outputs_are_the_same_bits_with_and_without_pdl(runs, other):
+    on, off = runs["default"], runs[other]
     assert on["replays"] > 0 and off["replays"] > 0  # the decode steps ran in CUDA graphs
     for key in ("one", "four", "sampled", "logprobs"):
         assert on[key] == off[key], key

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagednb.engine.graph_edges import gemm_edge_policy, make_gemm_edges_programmatic
+
 if TYPE_CHECKING:
     from pagednb.engine.scheduler import SchedulerOutput
 
@@ -44,6 +46,8 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        # GEMM launches that may start while the kernel before them finishes (graph_edges.py), all graphs
+        self.programmatic_edges = 0
 
     @staticmethod
     def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -74,6 +78,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = None
+        accepts = gemm_edge_policy(device)
         sizes = sorted(self.sizes, reverse=True)
         bar = _progress(len(sizes), progress)
         for batch_size in sizes:
@@ -83,9 +88,12 @@ class DecodeGraphs:
             # is then recorded in the graph, never read from tensors of the warm-up's plan, which are
             # freed by now
             forward = padded_forward(batch_size)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=accepts is not None)
             with torch.cuda.graph(graph, pool=pool):
                 logits = forward()
+            if accepts is not None:
+                accepts = self._overlap_gemms(graph, accepts)
+                graph.instantiate()
             pool = graph.pool()
             self._graphs[batch_size], self._logits[batch_size] = graph, logits
             if bar is not None:
@@ -94,8 +102,21 @@ class DecodeGraphs:
         if bar is not None:
             bar.close()
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("Captured %d decode CUDA graphs (batch sizes 1-%d) in %.1f s, %.2f GiB",
-                    len(self.sizes), self.max_size, time.perf_counter() - t0, used / 2**30)
+        logger.info("Captured %d decode CUDA graphs (batch sizes 1-%d) in %.1f s, %.2f GiB%s",
+                    len(self.sizes), self.max_size, time.perf_counter() - t0, used / 2**30,
+                    f"; {self.programmatic_edges} GEMM launches overlap the kernel before them"
+                    if self.programmatic_edges else "")
+
+    def _overlap_gemms(self, graph: torch.cuda.CUDAGraph, accepts):
+        """Gives the graph's cuBLAS GEMMs programmatic edges (graph_edges.py); returns the policy for the
+        next graph, or None after a failure (the graph stays as captured: the rewrite restores what it
+        could not change)."""
+        try:
+            self.programmatic_edges += make_gemm_edges_programmatic(graph.raw_cuda_graph(), accepts)
+            return accepts
+        except (OSError, AttributeError, RuntimeError) as e:
+            logger.warning("decode graphs: GEMM launches keep plain edges (%s)", e)
+            return None
 
     def replay(self, batch_size: int) -> torch.Tensor:
         """Runs the graph of this bucket over the inputs already written; returns its logits [bucket, V]."""
