@@ -122,8 +122,8 @@ int launch_rms_norm_residual(const RmsNormArgs& a, cudaStream_t st) {
   const float inv_n = 1.0f / (float)a.hidden;
   int e = 0;
 #define PAGEDNB_RMS_LAUNCH(IT)                                                                                 \
-  e = launch_pdl(rms_norm_kernel<T, IT, RESIDUAL, Trigger>, dim3(a.rows), dim3(threads), 0, st, out, res_out, x,         \
-                 a.x_stride, res, a.residual_stride, w, a.hidden, a.eps, inv_n, a.style);                       \
+  e = launch_pdl(rms_norm_kernel<T, IT, RESIDUAL, Trigger>, dim3(a.rows), dim3(threads), 0, st, out, res_out,  \
+                 x, a.x_stride, res, a.residual_stride, w, a.hidden, a.eps, inv_n, a.style);                    \
   break;
   switch (iters) {
     case 1: PAGEDNB_RMS_LAUNCH(1)

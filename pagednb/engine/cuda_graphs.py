@@ -107,7 +107,8 @@ class DecodeGraphs:
                     f"; {self.programmatic_edges} GEMM launches overlap the kernel before them"
                     if self.programmatic_edges else "")
 
-    def _overlap_gemms(self, graph: torch.cuda.CUDAGraph, accepts):
+    def _overlap_gemms(self, graph: torch.cuda.CUDAGraph,
+                       accepts: Callable[[str, str], bool]) -> Callable[[str, str], bool] | None:
         """Gives the graph's cuBLAS GEMMs programmatic edges (graph_edges.py); returns the policy for the
         next graph, or None after a failure (the graph stays as captured: the rewrite restores what it
         could not change)."""
