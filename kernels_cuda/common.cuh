@@ -44,16 +44,25 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 // When a kernel that may run right before a cuBLAS GEMM lets the next kernel launch (its Trigger template
 // argument): PdlEarly at its first line, as PAGEDNB_PDL_ENTER; PdlLate only as its CTAs exit, after their last
-// memory access (no explicit trigger). A decode graph gives a GEMM behind a PdlLate kernel a programmatic edge
-// (pagednb/engine/graph_edges.py): cuBLAS's GEMM kernels wait before they read their input, but may write their
-// output before that wait, and the output may reuse a buffer the kernel before them read for the last time.
-// The launchers pick PdlLate where a GEMM, not pagednb's GEMV, comes next (more than kGemvMaxRows rows).
+// memory access (no explicit trigger) and with their stores made visible GPU-wide first (pdl_exit). A decode
+// graph gives a GEMM behind a PdlLate kernel a programmatic edge (pagednb/engine/graph_edges.py), and cuBLAS's
+// GEMM kernels do not wait (griddepcontrol.wait) before all of their memory accesses: they may write their output
+// before the wait, over a buffer the kernel before them read for the last time, and some of them read part of
+// their input before it (H200 probes, benchmarks/NOTES.md issue 19's tenth and eleventh rounds). A CTA's exit
+// alone does not make its stores visible to the next kernel (only griddepcontrol.wait promises that), hence the
+// fence. The launchers pick PdlLate where a GEMM, not pagednb's GEMV, comes next (more than kGemvMaxRows rows).
 struct PdlEarly { static constexpr bool kEarly = true; };
 struct PdlLate { static constexpr bool kEarly = false; };
 template <typename Trigger>
 __device__ __forceinline__ void pdl_enter() {
   if constexpr (Trigger::kEarly) pdl_launch_dependents();
   pdl_wait();
+}
+// A PdlLate kernel's last line, in every thread after its last store: membar.gl, so the stores are performed for
+// every thread of the GPU before the CTA exits (and with it lets the GEMM launch).
+template <typename Trigger>
+__device__ __forceinline__ void pdl_exit() {
+  if constexpr (!Trigger::kEarly) __threadfence();
 }
 
 // kernel<<<grid, block, smem, st>>>(args...) in thread-block clusters of `cluster_x` CTAs along x (1: no

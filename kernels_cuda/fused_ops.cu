@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kNormMaxThreads)
       store_vec(out + row * hidden + i * VEC, v[it]);
     }
   }
+  pdl_exit<Trigger>();
 }
 
 template <typename T, bool RESIDUAL, typename Trigger>
@@ -310,6 +311,7 @@ __global__ void __launch_bounds__(256) gate_and_mul_kernel(T* __restrict__ out, 
 #pragma unroll
   for (int e = 0; e < VEC; ++e) gv[e] = gate_and_mul<T, GATE>(gv[e], uv[e]);
   store_vec(out + row * inter + col, gv);
+  pdl_exit<Trigger>();
 }
 
 template <typename T, int GATE>

@@ -7,13 +7,17 @@ starts only after the kernel before it has drained: a launch gap per GEMM, three
 A graph edge can carry the same permission as the launch attribute (cudaGraphDependencyTypeProgrammatic):
 this module rewrites the edges that `accepts` (source kernel name, GEMM kernel name) into such edges.
 
-What makes an edge safe (H200 probes, benchmarks/NOTES.md issue 19 tenth round; tests/test_graph_edges.py):
-  * cuBLAS's Hopper GEMM kernels ("nvjet_sm90_...") wait before they read their input;
-  * but some of them write before that wait (their output or a workspace), and a GEMM's output may reuse a
-    buffer that the kernel before it reads for the last time. So the kernel before the GEMM must let it
-    launch only once it is done with memory: pagednb's PdlLate kernels (no early trigger; the launchers
-    pick them where a GEMM comes next). Behind a kernel that lets its dependents start at its first line,
-    an engine run with such edges produced NaN logits.
+What makes an edge safe (H200 probes, benchmarks/NOTES.md issue 19's tenth and eleventh rounds;
+tests/test_graph_edges.py): cuBLAS's Hopper GEMM kernels ("nvjet_sm90_...") do not wait (griddepcontrol.wait)
+before all of their memory accesses.
+  * Some write before the wait (their output or a workspace), and a GEMM's output may reuse a buffer that the
+    kernel before it reads for the last time: behind a kernel that let its dependents start at its first
+    line, an engine run with such edges produced NaN logits.
+  * Some read part of their input before the wait: Llama-3.2-1B's gate_up at 80 and 200-256 rows read it
+    early in 10-13 of 20 replays behind such a kernel.
+So the kernel before the GEMM must be done with memory when it lets the GEMM launch, and its stores must be
+visible by then without the GEMM's wait: pagednb's PdlLate kernels (kernels_cuda/common.cuh) trigger only by
+exiting, after a GPU-wide fence behind their last store; the launchers pick them where a GEMM comes next.
 """
 from __future__ import annotations
 
@@ -128,21 +132,21 @@ def graph_kernel_names(raw_graph: int) -> list[str]:
     return [nm for nm in (kernel_name(nodes[i] or 0) for i in range(n.value)) if nm is not None]
 
 
-def waits_before_reading(kernel: str) -> bool:
-    """cuBLAS's Hopper GEMM kernels: every one the decode GEMMs of the benchmark shapes run (M = 1-256) read
-    its input only after the kernel before it completed, given a programmatic edge behind a kernel that lets
-    it start at once and writes that input ~200 us later."""
+def cublas_hopper_gemm(kernel: str) -> bool:
+    """cuBLAS's Hopper GEMM kernels, the destinations the policy knows (every decode GEMM of the benchmark shapes
+    at M = 1-256 runs one)."""
     return kernel.startswith("nvjet_sm90")
 
 
 def done_with_memory_when_it_triggers(kernel: str) -> bool:
-    """pagednb's PdlLate kernels (kernels_cuda/common.cuh) let the next kernel launch only as their CTAs exit."""
+    """pagednb's PdlLate kernels (kernels_cuda/common.cuh) let the next kernel launch only as their CTAs exit,
+    their stores fenced GPU-wide."""
     return "pagednb" in kernel and "PdlLate" in kernel
 
 
 def gemm_edge_safe(source: str, gemm: str) -> bool:
     """The engine's policy: a cuBLAS Hopper GEMM behind a pagednb PdlLate kernel."""
-    return waits_before_reading(gemm) and done_with_memory_when_it_triggers(source)
+    return cublas_hopper_gemm(gemm) and done_with_memory_when_it_triggers(source)
 
 
 def gemm_edge_policy(device: torch.device) -> Callable[[str, str], bool] | None:
