@@ -603,48 +603,44 @@ int occupancy_t(int variant, int cache_fp8) {
 
 namespace pagednb {
 
-// One dtype's dispatch over head_dim and GMAX (instantiated once per dtype file).
-#define PAGEDNB_ROW_DISPATCH_D(T, D)                                                    \
-  switch (row_gmax(p.G, p.cache_fp8)) {                                                 \
-    case 1: return launch_row_t<T, D, 1>(p, st);                                        \
-    case 2: return launch_row_t<T, D, 2>(p, st);                                        \
-    case 4: return launch_row_t<T, D, 4>(p, st);                                        \
-    default: return launch_row_t<T, D, 8>(p, st);                                       \
-  }
-#define PAGEDNB_OCC_DISPATCH_D(T, D)                                                    \
-  switch (gmax) {                                                                       \
-    case 1: return occupancy_t<T, D, 1>(variant, cache_fp8);                            \
-    case 2: return occupancy_t<T, D, 2>(variant, cache_fp8);                            \
-    case 4: return occupancy_t<T, D, 4>(variant, cache_fp8);                            \
-    default: return occupancy_t<T, D, 8>(variant, cache_fp8);                           \
-  }
-
-template <typename T>
-int launch_row_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
+// One head_dim's decode launches for query type T: the tensor-core kernels where group_mma_applies, else the row
+// kernel at the GMAX the group needs. Each decode_hd<D>.cu instantiates them (PAGEDNB_DECODE_INSTANCES) for every
+// dtype at its head_dim, so the five build units compile in parallel (one unit per dtype over every head_dim took
+// ~2 min on one core, the whole JIT build's critical path); decode.cu dispatches to them at run time.
+template <typename T, int D>
+int launch_decode_hd(const AttnParams& p, cudaStream_t st) {
   if constexpr (sizeof(T) == 2) {
     const int code = std::is_same<T, __half>::value ? kFloat16 : kBFloat16;
-    if (group_mma_applies(code, head_dim, p.G, p.row_variant, p.cache_fp8))
-      return launch_group_mma_dtype<T>(head_dim, p, st);
+    if (group_mma_applies(code, D, p.G, p.row_variant, p.cache_fp8)) return launch_group_mma_hd<T, D>(p, st);
   }
-  switch (head_dim) {
-    case 16: PAGEDNB_ROW_DISPATCH_D(T, 16)
-    case 32: PAGEDNB_ROW_DISPATCH_D(T, 32)
-    case 64: PAGEDNB_ROW_DISPATCH_D(T, 64)
-    case 128: PAGEDNB_ROW_DISPATCH_D(T, 128)
-    case 256: PAGEDNB_ROW_DISPATCH_D(T, 256)
-    default: return -1;
+  switch (row_gmax(p.G, p.cache_fp8)) {
+    case 1: return launch_row_t<T, D, 1>(p, st);
+    case 2: return launch_row_t<T, D, 2>(p, st);
+    case 4: return launch_row_t<T, D, 4>(p, st);
+    default: return launch_row_t<T, D, 8>(p, st);
   }
 }
-template <typename T>
-int occupancy_dtype(int head_dim, int gmax, int variant, int cache_fp8) {
-  switch (head_dim) {
-    case 16: PAGEDNB_OCC_DISPATCH_D(T, 16)
-    case 32: PAGEDNB_OCC_DISPATCH_D(T, 32)
-    case 64: PAGEDNB_OCC_DISPATCH_D(T, 64)
-    case 128: PAGEDNB_OCC_DISPATCH_D(T, 128)
-    case 256: PAGEDNB_OCC_DISPATCH_D(T, 256)
-    default: return 1;
+template <typename T, int D>
+int occupancy_row_hd(int gmax, int variant, int cache_fp8) {
+  switch (gmax) {
+    case 1: return occupancy_t<T, D, 1>(variant, cache_fp8);
+    case 2: return occupancy_t<T, D, 2>(variant, cache_fp8);
+    case 4: return occupancy_t<T, D, 4>(variant, cache_fp8);
+    default: return occupancy_t<T, D, 8>(variant, cache_fp8);
   }
 }
+
+// Explicit instantiations (PREFIX empty) in decode_hd<D>.cu, or declarations of them (PREFIX extern) in decode.cu,
+// which keep the dispatching unit from compiling any kernel itself.
+#define PAGEDNB_DECODE_INSTANCES_T(PREFIX, T, D)                                   \
+  PREFIX template int launch_decode_hd<T, D>(const AttnParams&, cudaStream_t);    \
+  PREFIX template int occupancy_row_hd<T, D>(int, int, int);
+#define PAGEDNB_DECODE_INSTANCES_16(PREFIX, T, D) \
+  PAGEDNB_DECODE_INSTANCES_T(PREFIX, T, D)        \
+  PREFIX template int occupancy_group_mma_hd<T, D>(int);
+#define PAGEDNB_DECODE_INSTANCES(PREFIX, D)                 \
+  PAGEDNB_DECODE_INSTANCES_T(PREFIX, float, D)              \
+  PAGEDNB_DECODE_INSTANCES_16(PREFIX, __half, D)            \
+  PAGEDNB_DECODE_INSTANCES_16(PREFIX, __nv_bfloat16, D)
 
 }  // namespace pagednb

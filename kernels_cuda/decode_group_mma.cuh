@@ -654,22 +654,20 @@ int occupancy_group_fp8_t() {  // per kv head (a two-head CTA counts as two), at
   return e == cudaSuccess && n > 0 ? n : 1;
 }
 
-// The head dims group_mma_applies admits: 64 (16-bit or fp8 cache) and 128 (fp8 cache).
-template <typename T>
-int launch_group_mma_dtype(int head_dim, const AttnParams& p, cudaStream_t st) {
-  if (p.cache_fp8)
-    return head_dim == 64    ? launch_group_fp8<T, 64>(p, st)
-           : head_dim == 128 ? launch_group_fp8<T, 128>(p, st)
-                             : -1;
-  return head_dim == 64 ? launch_group_mma<T, T, 64>(p, st) : -1;
+// The head dims group_mma_applies admits: 64 (16-bit or fp8 cache) and 128 (fp8 cache); -1 (1) for others.
+template <typename T, int D>
+int launch_group_mma_hd(const AttnParams& p, cudaStream_t st) {
+  if constexpr (D == 64 || D == 128)
+    if (p.cache_fp8) return launch_group_fp8<T, D>(p, st);
+  if constexpr (D == 64) return launch_group_mma<T, T, 64>(p, st);
+  return -1;
 }
-template <typename T>
-int occupancy_group_mma_dtype(int head_dim, int cache_fp8) {
-  if (cache_fp8)
-    return head_dim == 64 ? occupancy_group_fp8_t<T, 64>()
-           : head_dim == 128 ? occupancy_group_fp8_t<T, 128>()
-                             : 1;
-  return head_dim == 64 ? occupancy_group_mma_t<T, T, 64>() : 1;
+template <typename T, int D>
+int occupancy_group_mma_hd(int cache_fp8) {
+  if constexpr (D == 64 || D == 128)
+    if (cache_fp8) return occupancy_group_fp8_t<T, D>();
+  if constexpr (D == 64) return occupancy_group_mma_t<T, T, 64>();
+  return 1;
 }
 
 }  // namespace pagednb

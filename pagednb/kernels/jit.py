@@ -29,9 +29,9 @@ from pagednb.kernels.abi import declare
 
 logger = logging.getLogger("pagednb")
 
-SOURCES = ["bindings.cpp", "cache_write.cu", "decode_f32.cu", "decode_f16.cu", "decode_bf16.cu",
-           "prefill_f16.cu", "prefill_bf16.cu", "fused_ops.cu", "sampling.cu", "gemv.cu",
-           "moe.cu"]
+SOURCES = ["bindings.cpp", "cache_write.cu", "decode.cu", "decode_hd16.cu", "decode_hd32.cu", "decode_hd64.cu",
+           "decode_hd128.cu", "decode_hd256.cu", "prefill_f16.cu", "prefill_bf16.cu", "fused_ops.cu", "sampling.cu",
+           "gemv.cu", "moe.cu"]
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
 
