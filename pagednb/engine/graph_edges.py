@@ -91,8 +91,9 @@ def _edges(graph: int) -> list[tuple[int, int, _EdgeData]]:
 def make_gemm_edges_programmatic(raw_graph: int, accepts: Callable[[str, str], bool]) -> int:
     """Turns every default kernel -> kernel edge of the (not yet instantiated) graph that accepts(source
     name, destination name) into a programmatic one; returns how many it turned. The destination may then
-    start while the source finishes: it must wait (griddepcontrol.wait) before reading the source's output,
-    and the source must be done with every buffer the destination may write before its wait."""
+    launch as soon as the source triggers (or its CTAs exit), so nothing it reads or writes before its own
+    griddepcontrol.wait may still be in use by the source, and the source's stores must be visible by then
+    (what `accepts` must ensure: the module's docstring)."""
     cu = _driver()
     names: dict[int, str | None] = {}
 
