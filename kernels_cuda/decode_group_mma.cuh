@@ -315,17 +315,15 @@ __device__ __forceinline__ float load_q_f16(const AttnParams& p, int row, int h0
     for (int nn = 0; nn < NN; ++nn)
 #pragma unroll
       for (int i = 0; i < D / 8; ++i)
-        mx = fmaxf(mx, fmaxf(fabsf(__uint_as_float(w[nn][i] << 16)), fabsf(__uint_as_float(w[nn][i] & 0xffff0000u))));
+        mx = fmaxf(mx, bf16x2_absmax(w[nn][i]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    const int e = min(max((int)(__float_as_uint(mx) >> 23) - 127 - 14, -32), 113);  // max |q| 2^-e in [2^14, 2^15)
-    const float down = __uint_as_float((uint32_t)(127 - e) << 23);
-    factor = __uint_as_float((uint32_t)(127 + e) << 23);
+    const F16Scale sc = f16_scale_for(mx);
+    factor = sc.factor;
 #pragma unroll
     for (int nn = 0; nn < NN; ++nn)
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        w[nn][i] = pack2<__half>(__uint_as_float(w[nn][i] << 16) * down, __uint_as_float(w[nn][i] & 0xffff0000u) * down);
+      for (int i = 0; i < D / 8; ++i) w[nn][i] = bf16x2_to_f16x2(w[nn][i], sc.down);
   }
 #pragma unroll
   for (int nn = 0; nn < NN; ++nn)

@@ -12,10 +12,17 @@
 // 256, exact after the final division), so the O rescale is skipped on almost every tile.
 // The output goes through shared memory (the warp's own Q rows) so that global stores are 16 bytes.
 // Sequences with query_len == 1 are left to the row (decode) kernel.
-// An fp8 cache (KV = Fp8E4M3): each thread loads its 8-byte chunks (8 fp8 values) of the next K/V tile
-// into registers before the current tile's math and stores them converted to T after it, into the same
-// 16-bit tile layout the cp.async path fills, so the loads still overlap the math; k_scale is folded into
-// the score scale and v_scale into the final normalisation.
+// An fp8 cache (KV = Fp8E4M3): the K/V tiles' bytes are cp.async'ed into a ring of two fp8 tiles in shared
+// memory (8-byte chunks, the 16-bit path's copy pattern), and at the top of each tile's iteration every thread
+// converts the chunks it copied into one 16-bit tile of the layout the cp.async path fills, which the math
+// then reads as before; k_scale is folded into the score scale and v_scale into the final normalisation.
+// The products are f16 MMAs whatever T is: an e4m3 pair becomes an f16 pair in one exact conversion
+// (cvt.rn.f16x2.e4m3x2), where bf16 took four instructions; P in [0, 256) is held in f16 more finely than in
+// bf16; and a bf16 query tile is scaled by a power of 2 per warp (its largest magnitude into [2^14, 2^15),
+// as the fp8 decode kernel does) before its conversion, the factor folded into the score scale, so no query
+// value overflows and none that matters underflows. (Staging the next tile in registers instead, converted
+// after the math, held 32 registers through it and spilled: H200, workload-sized prefill steps at 123-129
+// TFLOP/s against the ring's 153-162 and a bf16 cache's 164-171; benchmarks/NOTES.md, issue 19 round 12.)
 #pragma once
 
 #include <type_traits>
@@ -42,12 +49,50 @@ struct PfCfg {
 __device__ __forceinline__ void cp_async16_all(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
+// 8 bytes global -> shared (an fp8 cache's chunk of 8 values)
+__device__ __forceinline__ void cp_async8_all(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+// Shared memory of a launch: the Q tile, the 16-bit K and V tiles (two of each; one over an fp8 cache, which
+// adds its ring of two K/V tiles of bytes), the row table.
+template <int D, class C, bool FP8>
+constexpr int prefill_smem() {
+  return FP8 ? (C::BM + 2 * C::BN) * C::LDS * 2 + 4 * C::BN * D + 2 * C::BN * 4 : C::SMEM;
+}
 
 constexpr float kRescaleLog2 = 8.f;  // raise the running max only when it grows by more than 2^8
+
+// A bf16 query tile of rows x D (row stride LDS, elements) in shared memory rewritten in place as f16, scaled
+// by 2^-e so that its largest magnitude lies in [2^14, 2^15) (f16_scale_for); by one warp. Returns 2^e.
+template <int D, int LDS>
+__device__ __forceinline__ float q_tile_to_f16(__nv_bfloat16* tile, int rows) {
+  const int lane = threadIdx.x & 31;
+  constexpr int CPR = D / 8;  // 16-byte chunks per row
+  float mx = 0.f;
+  for (int c = lane; c < rows * CPR; c += 32) {
+    const uint4 x = *reinterpret_cast<const uint4*>(tile + (c / CPR) * LDS + (c % CPR) * 8);
+    mx = fmaxf(mx, fmaxf(bf16x2_absmax(x.x), bf16x2_absmax(x.y)));
+    mx = fmaxf(mx, fmaxf(bf16x2_absmax(x.z), bf16x2_absmax(x.w)));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const F16Scale sc = f16_scale_for(mx);
+  for (int c = lane; c < rows * CPR; c += 32) {
+    uint4* at = reinterpret_cast<uint4*>(tile + (c / CPR) * LDS + (c % CPR) * 8);
+    const uint4 x = *at;
+    *at = make_uint4(bf16x2_to_f16x2(x.x, sc.down), bf16x2_to_f16x2(x.y, sc.down), bf16x2_to_f16x2(x.z, sc.down),
+                     bf16x2_to_f16x2(x.w, sc.down));
+  }
+  __syncwarp();
+  return sc.factor;
+}
 
 template <typename T, typename KV, int D, class C>  // KV: the cache's element type (T, or Fp8E4M3)
 __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParams p) {
   constexpr bool FP8 = std::is_same<KV, Fp8E4M3>::value;
+  constexpr int KVBUF = FP8 ? 1 : 2;  // 16-bit K (V) tiles
+  using M = typename std::conditional<FP8, __half, T>::type;  // the MMAs' element type (see the top)
   constexpr int BM = C::BM, BN = C::BN, LDS = C::LDS, NT = C::NT, MT = C::MT, WR = C::WR;
   constexpr int OB = D / 8;     // 8-column blocks of the accumulator
   constexpr int CPR = D / 8;    // 16-byte chunks per row
@@ -63,9 +108,10 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BM * LDS;
-  T* sV = sK + 2 * BN * LDS;
-  uint32_t* rowidx = reinterpret_cast<uint32_t*>(sV + 2 * BN * LDS);  // [2][BN] cache rows of K/V tiles
+  M* sK = reinterpret_cast<M*>(sQ + BM * LDS);
+  M* sV = sK + KVBUF * BN * LDS;
+  unsigned char* ring = reinterpret_cast<unsigned char*>(sV + KVBUF * BN * LDS);  // fp8: [2][K, V][BN][D] bytes
+  uint32_t* rowidx = reinterpret_cast<uint32_t*>(ring + (FP8 ? 4 * BN * D : 0));  // [2][BN] cache rows of K/V tiles
 
   const int q0 = tile * BM;
   const int rows = min(BM, qlen - q0);
@@ -115,10 +161,10 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
     const int t = min(max(kt_first + j * BN + prow, kv_lo), kv_hi - 1);
     plan_slot[buf * BN] = ((uint32_t)blk << bs_log2) + (uint32_t)(t & bs_mask);
   };
-  uint2 staged[FP8 ? 2 * RPT : 1];  // an fp8 cache: this thread's chunks of the next tile, K then V per row
-  auto load_kv = [&](int buf) {  // a 16-bit cache: cp.async into the tile; fp8: into `staged`
-    T* dk = sK + buf * BN * LDS + cc;
-    T* dv = sV + buf * BN * LDS + cc;
+  unsigned char* const ring_k = ring + cr * D + cc, * const ring_v = ring_k + BN * D;  // this thread's fp8 chunks
+  auto load_kv = [&](int buf) {  // cp.async into tile buf: the 16-bit tile, or the fp8 ring's
+    M* dk = sK + buf * BN * LDS + cc;
+    M* dv = sV + buf * BN * LDS + cc;
     uint32_t ri[RPT];
     const uint32_t* ro = rowidx + buf * BN + cr * RPT;
     if constexpr (RPT % 4 == 0) {
@@ -132,22 +178,22 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
     for (int i = 0; i < RPT; ++i) {
       const char* src = cache + (uint64_t)ri[i] * row_bytes;
       if constexpr (FP8) {
-        staged[2 * i] = __ldg(reinterpret_cast<const uint2*>(src));
-        staged[2 * i + 1] = __ldg(reinterpret_cast<const uint2*>(src + v_bytes));
+        cp_async8_all(ring_k + buf * 2 * BN * D + i * RP * D, src);
+        cp_async8_all(ring_v + buf * 2 * BN * D + i * RP * D, src + v_bytes);
       } else {
         cp_async16_all(dk + (cr + i * RP) * LDS, src);
         cp_async16_all(dv + (cr + i * RP) * LDS, src + v_bytes);
       }
     }
   };
-  auto store_staged = [&](int buf) {  // an fp8 cache: the staged chunks, converted to T, into tile buf
+  auto convert_fp8 = [&](int buf) {  // fp8: this thread's chunks of ring tile buf, as f16, into the 16-bit tile
     if constexpr (FP8) {
-      T* dk = sK + buf * BN * LDS + cc;
-      T* dv = sV + buf * BN * LDS + cc;
 #pragma unroll
       for (int i = 0; i < RPT; ++i) {
-        *reinterpret_cast<uint4*>(dk + (cr + i * RP) * LDS) = fp8x8_to<T>(staged[2 * i]);
-        *reinterpret_cast<uint4*>(dv + (cr + i * RP) * LDS) = fp8x8_to<T>(staged[2 * i + 1]);
+        const uint2 k8 = *reinterpret_cast<const uint2*>(ring_k + buf * 2 * BN * D + i * RP * D);
+        const uint2 v8 = *reinterpret_cast<const uint2*>(ring_v + buf * 2 * BN * D + i * RP * D);
+        *reinterpret_cast<uint4*>(sK + cc + (cr + i * RP) * LDS) = fp8x8_to<M>(k8);
+        *reinterpret_cast<uint4*>(sV + cc + (cr + i * RP) * LDS) = fp8x8_to<M>(v8);
       }
     }
   };
@@ -158,7 +204,6 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
   }
   __syncthreads();
   load_kv(0);
-  store_staged(0);
   cp_async_commit();
 
   const int wr0 = warp * WR;                     // the warp's first row in the tile
@@ -167,11 +212,13 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
   const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);  // A (Q) ldmatrix
   const int k_row = (lane & 7) + 8 * (lane >> 4), k_col = 8 * ((lane >> 3) & 1);  // K ldmatrix
   const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V ldmatrix.trans
-  const T* sQw = sQ + (wr0 + a_row) * LDS + a_col;
+  const M* sQw = reinterpret_cast<const M*>(sQ) + (wr0 + a_row) * LDS + a_col;
 
   uint32_t qfrag[C::QREG ? MT : 1][C::QREG ? D / 16 : 1][4];
   cp_async_wait<1>();
   __syncthreads();
+  float q_factor = 1.f;  // the scores' factor that undoes a bf16 query's scaling (an fp8 cache)
+  if constexpr (FP8 && std::is_same<T, __nv_bfloat16>::value) q_factor = q_tile_to_f16<D, LDS>(sQ + wr0 * LDS, WR);
   if constexpr (C::QREG) {
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
@@ -187,13 +234,14 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
   float m[MT][2], l[MT][2];
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi) m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.f;
-  const float sl2 = p.scale_log2 * p.k_scale;  // an fp8 cache's key scale folded in (1 otherwise)
+  const float sl2 = p.scale_log2 * p.k_scale * q_factor;  // an fp8 cache's key and query scales folded in
   const float cap = p.softcap_log2 / sl2;  // the soft-cap in the units of the raw scores (q . k)
 
   for (int j = 0; j < nkv; ++j) {
     if (j + 1 < nkv) load_kv((j + 1) & 1);
     cp_async_commit();
     cp_async_wait<1>();
+    convert_fp8(j & 1);  // the thread's own copies, complete for it after the wait; the tile is free (see below)
     __syncthreads();
     // block id for tile j + 2 now; its offset goes into the table (the slot tile j used) after the math
     const bool plan = tid < BN && j + 2 < nkv;
@@ -202,8 +250,8 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
     // warp-uniform: does any of this warp's rows see any key of the tile?
     const bool active = wrows > 0 && kt0 <= wpos_last && (W <= 0 || kt0 + BN - 1 >= wpos_first - W + 1);
     if (active) {
-      const T* kS = sK + (j & 1) * BN * LDS;
-      const T* vS = sV + (j & 1) * BN * LDS;
+      const M* kS = sK + (FP8 ? 0 : (j & 1) * BN * LDS);
+      const M* vS = sV + (FP8 ? 0 : (j & 1) * BN * LDS);
 
       float sc[MT][BN / 8][4];
 #pragma unroll
@@ -228,8 +276,8 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
           ldmatrix_x4(b, kS + (nt2 * 16 + k_row) * LDS + kc * 16 + k_col);
 #pragma unroll
           for (int mi = 0; mi < MT; ++mi) {
-            mma16816<T>(sc[mi][2 * nt2], a[mi], b[0], b[1]);
-            mma16816<T>(sc[mi][2 * nt2 + 1], a[mi], b[2], b[3]);
+            mma16816<M>(sc[mi][2 * nt2], a[mi], b[0], b[1]);
+            mma16816<M>(sc[mi][2 * nt2 + 1], a[mi], b[2], b[3]);
           }
         }
       }
@@ -302,10 +350,10 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
         uint32_t a[MT][4];
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
-          a[mi][0] = pack2<T>(sc[mi][2 * kc][0], sc[mi][2 * kc][1]);
-          a[mi][1] = pack2<T>(sc[mi][2 * kc][2], sc[mi][2 * kc][3]);
-          a[mi][2] = pack2<T>(sc[mi][2 * kc + 1][0], sc[mi][2 * kc + 1][1]);
-          a[mi][3] = pack2<T>(sc[mi][2 * kc + 1][2], sc[mi][2 * kc + 1][3]);
+          a[mi][0] = pack2<M>(sc[mi][2 * kc][0], sc[mi][2 * kc][1]);
+          a[mi][1] = pack2<M>(sc[mi][2 * kc][2], sc[mi][2 * kc][3]);
+          a[mi][2] = pack2<M>(sc[mi][2 * kc + 1][0], sc[mi][2 * kc + 1][1]);
+          a[mi][3] = pack2<M>(sc[mi][2 * kc + 1][2], sc[mi][2 * kc + 1][3]);
         }
 #pragma unroll
         for (int dt2 = 0; dt2 < D / 16; ++dt2) {
@@ -313,15 +361,14 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
           ldmatrix_x4_trans(b, vS + (kc * 16 + v_row) * LDS + dt2 * 16 + v_col);
 #pragma unroll
           for (int mi = 0; mi < MT; ++mi) {
-            mma16816<T>(o[mi][2 * dt2], a[mi], b[0], b[1]);
-            mma16816<T>(o[mi][2 * dt2 + 1], a[mi], b[2], b[3]);
+            mma16816<M>(o[mi][2 * dt2], a[mi], b[0], b[1]);
+            mma16816<M>(o[mi][2 * dt2 + 1], a[mi], b[2], b[3]);
           }
         }
       }
     }
     if (plan) plan_store(j + 2, pblk, j & 1);
-    if (j + 1 < nkv) store_staged((j + 1) & 1);
-    __syncthreads();  // the next iteration's loads overwrite this buffer and read the new row table
+    __syncthreads();  // the next iteration's loads (conversion) overwrite this tile and read the new row table
   }
 
   // normalise into the warp's own Q rows of shared memory (nothing reads them any more), then store
@@ -355,10 +402,10 @@ __global__ void __launch_bounds__(C::NT, C::MINB) prefill_kernel(const AttnParam
 
 template <typename T, typename KV, int D, class C>
 int configure_prefill() {
+  constexpr int smem = prefill_smem<D, C, std::is_same<KV, Fp8E4M3>::value>();
   static int state = -1;  // raise the dynamic shared-memory limit once per process
   if (state < 0) {
-    cudaError_t e = cudaFuncSetAttribute(prefill_kernel<T, KV, D, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         C::SMEM);
+    cudaError_t e = cudaFuncSetAttribute(prefill_kernel<T, KV, D, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e == cudaSuccess && C::MINB > 1)  // room for MINB CTAs: all of the unified L1 as shared memory
       e = cudaFuncSetAttribute(prefill_kernel<T, KV, D, C>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                (int)cudaSharedmemCarveoutMaxShared);
@@ -374,7 +421,7 @@ int launch_prefill_cfg(const AttnParams& p, cudaStream_t st) {
   q.max_tiles = (p.max_query_len + C::BM - 1) / C::BM;
   if (q.max_tiles <= 0) return 0;
   const dim3 grid(p.H, q.max_tiles, p.num_seqs);
-  prefill_kernel<T, KV, D, C><<<grid, C::NT, C::SMEM, st>>>(q);
+  prefill_kernel<T, KV, D, C><<<grid, C::NT, prefill_smem<D, C, std::is_same<KV, Fp8E4M3>::value>(), st>>>(q);
   return (int)cudaGetLastError();
 }
 

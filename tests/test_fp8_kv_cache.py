@@ -451,6 +451,21 @@ def test_fp8_prefill_chunks_match_reference(backend, case_id):
 
 
 @gpu
+@pytest.mark.parametrize("factor", [2.0 ** 17, 2.0 ** -24], ids=["past-fp16-max", "below-fp16-normals"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_prefill_takes_bf16_queries_outside_the_fp16_range(backend, factor, d):
+    """The prefill kernel multiplies on f16 tensor cores over an fp8 cache, so a bf16 query tile is scaled by a power
+    of 2 before its conversion: the same scores as unscaled queries, whatever their magnitude (a query value lost to
+    f16 overflow or underflow would show against the float32 reference)."""
+    from test_cuda_kernels import Case
+
+    case = Case([700, 1300, 40], [300, 129, 40], 16, 8, d, 16, torch.bfloat16, None, seed=43)
+    case.q.mul_(factor)
+    case.scale /= factor
+    check_fp8(backend, case, 1.0, 1.0)
+
+
+@gpu
 def test_fp8_mixed_batch_with_softcap(backend):
     from test_cuda_kernels import Case
 

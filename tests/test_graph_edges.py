@@ -29,6 +29,7 @@ from pagednb.engine.graph_edges import (
     make_gemm_edges_programmatic,
     cublas_hopper_gemm,
 )
+from pagednb.kernels.jit import kernels_dir
 
 LATE_NORM = "_ZN7pagednb12_GLOBAL__N_115rms_norm_kernelI13__nv_bfloat16Li1ELb1ENS_7PdlLateEEEvPT_S5_PKS4_lS7_lS7_iffNS_10NormWeightE"
 EARLY_NORM = LATE_NORM.replace("7PdlLate", "8PdlEarly")
@@ -72,8 +73,10 @@ _PRODUCERS = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_bf16.h>
+#include "common.cuh"
 // The engine's PdlLate rule (kernels_cuda/common.cuh): no trigger (the next kernel may launch as the CTAs exit),
-// and a GPU-wide fence behind the last store.
+// and the engine's GPU-wide release fence behind the last store.
+using pagednb::fence_release_gpu;
 __device__ void spin(long long cycles) {
   long long t0 = clock64();
   while (clock64() - t0 < cycles) {}
@@ -82,12 +85,12 @@ __global__ void fill_then_exit(__nv_bfloat16* x, int n, float value, long long c
   spin(cycles);
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
     x[i] = __float2bfloat16(value);
-  __threadfence();
+  fence_release_gpu();
 }
 __global__ void copy_then_exit(__nv_bfloat16* x, const __nv_bfloat16* b, int n, long long cycles) {
   spin(cycles);
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = b[i];
-  __threadfence();
+  fence_release_gpu();
 }
 void fill_launch(torch::Tensor x, double value, int64_t cycles) {
   fill_then_exit<<<132, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -115,7 +118,8 @@ def producer():
                        "void fill_launch(torch::Tensor x, double value, int64_t cycles);\n"
                        "void copy_launch(torch::Tensor x, torch::Tensor b, int64_t cycles);",
                        cuda_sources=_PRODUCERS, functions=["fill_launch", "copy_launch"],
-                       extra_cuda_cflags=["-gencode=arch=compute_90,code=sm_90"])
+                       extra_cuda_cflags=["-gencode=arch=compute_90,code=sm_90", "--expt-relaxed-constexpr"],
+                       extra_include_paths=[str(kernels_dir())])
 
 
 ROWS = (1, 2, 3, 8, 16, 48, 64, 80, 112, 128, 144, 200, 208, 240, 256)
