@@ -22,7 +22,9 @@ namespace pagednb {
 // work. Every kernel launched this way follows three rules:
 //   1. pdl_wait() before it reads anything an earlier kernel wrote and before it writes anything (the
 //      earlier kernel may still be reading the memory a write would reuse); only data no kernel writes
-//      (weights) may be read before it;
+//      (weights), or data written before the kernel ahead of it started (host copies and non-PDL kernels
+//      before the step's first PDL kernel, earlier steps' keys in the cache, an earlier layer's sort: each
+//      use says why), may be read before it;
 //   2. every CTA calls pdl_wait() before it exits, so the grid completes only after the grid before it:
 //      a later kernel that waits on this one has then waited on every earlier one too;
 //   3. pdl_launch_dependents() may come anywhere: from then on the next kernel may start its CTAs (they

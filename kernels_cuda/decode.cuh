@@ -48,17 +48,27 @@ constexpr float kNegBig = -1e30f;  // finite "minus infinity" for running maxima
 // 1,024-token partitions runs as 550 + 550 rather than 1,024 + 76. Every one of the `parts` holds keys.
 struct RowKeys {
   int seq, t_begin, t_end;
+  int t_new;  // the sequence's first key written in this step (its new tokens' keys: t_new .. seq_len - 1)
   int parts;  // the row's partitions that hold keys, the first `parts` (1: the CTA writes the output itself)
 };
 
+// The sequence of query row `row`. In a decode step row r is sequence r (one new token each), which two
+// independent loads confirm; otherwise (prefill chunks, verify rows) a binary search over qsl: a chain of
+// ~log2(num_seqs) dependent loads, ~1 us at the start of every CTA of a 256-row step.
+__device__ __forceinline__ int row_seq(const int* __restrict__ qsl, int num_seqs, int row) {
+  if (row < num_seqs && __ldg(qsl + row) == row && __ldg(qsl + row + 1) == row + 1) return row;
+  return find_seq(qsl, num_seqs, row);
+}
+
 template <bool BALANCED = false>
 __device__ __forceinline__ bool row_keys(const AttnParams& p, int row, RowKeys& k) {
-  k.seq = find_seq(p.qsl, p.num_seqs, row);
+  k.seq = row_seq(p.qsl, p.num_seqs, row);
   if (k.seq < 0) return false;
   const int qs = __ldg(p.qsl + k.seq);
   const int qlen = __ldg(p.qsl + k.seq + 1) - qs;
   if (p.decode_only && qlen != 1) return false;
-  const int pos = __ldg(p.seq_lens + k.seq) - qlen + (row - qs);
+  k.t_new = __ldg(p.seq_lens + k.seq) - qlen;
+  const int pos = k.t_new + (row - qs);
   const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
   if constexpr (BALANCED) {
     const int len = pos + 1 - lo;
@@ -231,13 +241,58 @@ __device__ __forceinline__ void ldg_floats(const T* src, float* f) {
 
 constexpr int kPrefetchBytes = 64 << 10;  // K/V bytes a SPLIT CTA prefetches into L2 before its wait (see below)
 
+// Before griddepcontrol.wait a decode CTA finds its row and starts copying its keys, while the kernel before
+// it (q/k norm + RoPE + cache write) runs. Allowed by common.cuh's rule 1: the metadata comes from host copies,
+// the launch order (row_order) from a sort that ran before an earlier layer's launch (p.early_keys: the backend
+// clears it for the launch right behind the sort, and where PAGEDNB_EARLY_KEYS=0), and the keys before the
+// step's first new one (RowKeys::t_new) were written by earlier steps. The new tokens' keys, which the kernel
+// before writes, are copied after the wait.
+enum class Keys { All, Old, New };  // the keys an issue() call copies: all, those before t_new, the rest
+template <Keys W>
+using KeysOf = std::integral_constant<Keys, W>;
+template <Keys W>
+__device__ __forceinline__ bool takes(KeysOf<W>, int t, int t_new) {
+  if constexpr (W == Keys::All) return true;
+  else if constexpr (W == Keys::Old) return t < t_new;
+  else return t >= t_new;
+}
+template <Keys W>
+__device__ __forceinline__ void commit_unless_old(KeysOf<W>) {
+  if constexpr (W != Keys::Old) cp_async_commit();
+}
+
+// A one-partition decode CTA's first line: the next kernel may launch; the wait comes later unless the row
+// order cannot be read before it.
+__device__ __forceinline__ void decode_entry(const AttnParams& p) {
+  pdl_launch_dependents();
+  if (!p.early_keys) pdl_wait();
+}
+
+// The ring's first S - 1 stages around the wait: every stage's old keys, the wait, then every stage's new keys,
+// each stage committing its cp.async group there (the old keys' copies all join the first group, so a stage's
+// copies have landed once its own group has). issue(i, which) copies stage i's keys of that kind.
+// A SPLIT CTA has waited in split_entry: its stages are copied whole, as before.
+template <int S, bool SPLIT, typename Issue>
+__device__ __forceinline__ void ring_prologue(Issue&& issue) {
+  if constexpr (SPLIT) {
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(i, KeysOf<Keys::All>{});
+  } else {
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(i, KeysOf<Keys::Old>{});
+    pdl_wait();
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(i, KeysOf<Keys::New>{});
+  }
+}
+
 // The SPLIT kernels' entry (both decode kernels). With P > 1 (small batches) a CTA's time is a chain of
 // dependent loads (the row's sequence, its block table, then K/V from DRAM a few ring steps at a time), so
 // they start before pdl_wait(), overlapping the kernel before: the row's keys are looked up and the CTA's
 // first kPrefetchBytes of K/V (a whole 128-token partition at head_dim 128) are prefetched into L2, where
 // the copies after the wait find them. Allowed before the wait (common.cuh's rule 1): the metadata comes
-// from host copies and non-PDL torch kernels, all complete before the step's first PDL kernel starts (not
-// the decode kernels' row_order, sorted mid-step: a sorted launch, >= 32 rows, waits before it reads it); a
+// from host copies and non-PDL torch kernels, all complete before the step's first PDL kernel starts (the
+// decode kernels' row_order, sorted in the step's first layer, where p.early_keys says so: see Keys); a
 // prefetch returns no value (L2 is the point of coherence), so the token the kernel before writes is read
 // after the wait as ever. False: nothing to do in this CTA (no row, or a partition past its keys), returned
 // after the wait as every CTA must.
@@ -292,7 +347,7 @@ inline bool decode_grid(const AttnParams& p, int cols, dim3& grid) {
 // the output, so the merge takes them as 2 * GMAX rows.
 template <typename T, typename KV, int D, int GMAX, bool PIPE, bool CAP = false, bool SPLIT = false, int KVC = 1>
 __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
-  if constexpr (!SPLIT) PAGEDNB_PDL_ENTER();
+  if constexpr (!SPLIT) decode_entry(p);
   using C = RowCfg<KV, D * KVC, GMAX>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, TPW = C::TPW, NW = C::NW, U = C::U, S = C::S;
   constexpr int NT = C::NT;
@@ -303,16 +358,17 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
 
   const int cols = p.Hkv / KVC * p.head_groups;
-  if constexpr (SPLIT)  // the order is written by the step's sort, a kernel of this step: read after the wait
-    if (p.row_order) pdl_wait();
+  if constexpr (SPLIT)  // the order is written by the step's sort: before the wait only where early_keys says so
+    if (p.row_order && !p.early_keys) pdl_wait();
   const int row = cta_row(p, cols);
   RowKeys keys;
   if constexpr (SPLIT) {
     if (!split_entry<KV, D, NT, KVC>(p, row, (blockIdx.x % cols) / p.head_groups * KVC, keys)) return;
-  } else {
-    if (!row_keys(p, row, keys)) return;
+  } else if (!row_keys(p, row, keys)) {
+    pdl_wait();  // common.cuh's rule 2
+    return;
   }
-  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
+  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end, t_new = keys.t_new;
 
   const int kvh = (blockIdx.x % cols) / p.head_groups * KVC;  // the CTA's (first) kv head
   const int g0 = (blockIdx.x % p.head_groups) * GMAX;  // cols is a multiple of head_groups
@@ -323,6 +379,48 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
   const int sub = lane % TPR;
   const int slot = warp * TPW + lane / TPR;
   const int half = sub / TPRH;  // the lane's kv head in the CTA (0 unless KVC == 2)
+
+  float m[GMAX], l[GMAX], acc[GMAX][NV][VEC];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = kNegBig; l[g] = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.f;
+  }
+
+  const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
+  const int64_t row_elems = (int64_t)p.Hkv * D;
+  const KV* kbase = reinterpret_cast<const KV*>(p.cache) + (int64_t)kvh * D + sub * VEC;
+  const int bs_mask = (1 << p.bs_log2) - 1;
+
+  const int nsteps = t_end > t_begin ? (t_end - t_begin + C::STEP - 1) / C::STEP : 0;
+  uint4* ring = reinterpret_cast<uint4*>(dyn_smem);  // [S][U][NV][2][NT], 16 B per thread and vector
+  // cp.async of step i's keys of one kind (Keys) into stage i % S (an empty group past the end)
+  auto issue = [&](int i, auto which) {
+    if (i < nsteps) {
+      const int t0 = t_begin + i * C::STEP;
+      uint4* st = ring + (i % S) * (U * NV * 2 * NT) + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = t0 + u * C::SLOTS + slot;
+        const int tc = t < t_end ? t : t_end - 1;
+        if (takes(which, tc, t_new)) {
+          const int blk = __ldg(bt + (tc >> p.bs_log2));
+          const KV* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
+#pragma unroll
+          for (int v = 0; v < NV; ++v) {
+            cp_async16(st + ((u * NV + v) * 2) * NT, kp + v * TPR * VEC, true);
+            cp_async16(st + ((u * NV + v) * 2 + 1) * NT, kp + p.v_offset + v * TPR * VEC, true);
+          }
+        }
+      }
+    }
+    commit_unless_old(which);
+  };
+  if constexpr (PIPE) ring_prologue<S, SPLIT>(issue);
+  else pdl_wait();
 
   // query heads of this CTA in registers, pre-scaled into log2 units (an fp8 cache's k_scale folded in)
   float qf[GMAX][NV][VEC];
@@ -344,53 +442,12 @@ __global__ void __launch_bounds__(128) row_attn_kernel(const AttnParams p) {
     }
   }
 
-  float m[GMAX], l[GMAX], acc[GMAX][NV][VEC];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    m[g] = kNegBig; l[g] = 0.f;
-#pragma unroll
-    for (int v = 0; v < NV; ++v)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.f;
-  }
-
-  const int* bt = p.block_tables + (int64_t)s * p.bt_stride;
-  const int64_t row_elems = (int64_t)p.Hkv * D;
-  const KV* kbase = reinterpret_cast<const KV*>(p.cache) + (int64_t)kvh * D + sub * VEC;
-  const int bs_mask = (1 << p.bs_log2) - 1;
-
-  const int nsteps = t_end > t_begin ? (t_end - t_begin + C::STEP - 1) / C::STEP : 0;
-  uint4* ring = reinterpret_cast<uint4*>(dyn_smem);  // [S][U][NV][2][NT], 16 B per thread and vector
-  auto issue = [&](int i) {  // cp.async of step i into stage i % S (an empty group past the end)
-    if (i < nsteps) {
-      const int t0 = t_begin + i * C::STEP;
-      uint4* st = ring + (i % S) * (U * NV * 2 * NT) + threadIdx.x;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int t = t0 + u * C::SLOTS + slot;
-        const int tc = t < t_end ? t : t_end - 1;
-        const int blk = __ldg(bt + (tc >> p.bs_log2));
-        const KV* kp = kbase + (((int64_t)blk << p.bs_log2) + (tc & bs_mask)) * row_elems;
-#pragma unroll
-        for (int v = 0; v < NV; ++v) {
-          cp_async16(st + ((u * NV + v) * 2) * NT, kp + v * TPR * VEC, true);
-          cp_async16(st + ((u * NV + v) * 2 + 1) * NT, kp + p.v_offset + v * TPR * VEC, true);
-        }
-      }
-    }
-    cp_async_commit();
-  };
-  if constexpr (PIPE) {
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) issue(i);
-  }
-
   for (int i = 0; i < nsteps; ++i) {
     const int t0 = t_begin + i * C::STEP;
     uint4 kr[U][NV], vr[U][NV];
     bool valid[U];
     if constexpr (PIPE) {
-      issue(i + S - 1);
+      issue(i + S - 1, KeysOf<Keys::All>{});
       cp_async_wait<S - 1>();
       const uint4* st = ring + (i % S) * (U * NV * 2 * NT) + threadIdx.x;
 #pragma unroll

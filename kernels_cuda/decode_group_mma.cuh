@@ -54,23 +54,24 @@ struct GroupMmaCfg {
 template <typename T, typename KV, int D, bool CAP = false, bool SPLIT = false>
 __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams p) {
   static_assert(std::is_same<T, KV>::value, "a 16-bit cache of the query's type (fp8: group_mma_fp8_decode_kernel)");
-  if constexpr (!SPLIT) PAGEDNB_PDL_ENTER();
+  if constexpr (!SPLIT) decode_entry(p);
   using C = GroupMmaCfg<D>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, LDS = C::LDS, CPR = C::CPR, CPL = C::CPL, VEC = C::VEC;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   unsigned char* work = dyn_smem;
 
-  if constexpr (SPLIT)  // the order is written by the step's sort, a kernel of this step: read after the wait
-    if (p.row_order) pdl_wait();
+  if constexpr (SPLIT)  // the order is written by the step's sort: before the wait only where early_keys says so
+    if (p.row_order && !p.early_keys) pdl_wait();
   const int row = cta_row(p, p.Hkv);  // the row kernel's launch order (decode.cuh)
   const int kvh = blockIdx.x % p.Hkv;
   RowKeys keys;
   if constexpr (SPLIT) {
     if (!split_entry<KV, D, C::NT>(p, row, kvh, keys)) return;
-  } else {
-    if (!row_keys(p, row, keys)) return;
+  } else if (!row_keys(p, row, keys)) {
+    pdl_wait();  // common.cuh's rule 2
+    return;
   }
-  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end;
+  const int s = keys.seq, t_begin = keys.t_begin, t_end = keys.t_end, t_new = keys.t_new;
 
   const int G = p.G;
   const int h0 = kvh * G;
@@ -84,7 +85,8 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
   const int64_t row_elems = (int64_t)p.Hkv * D;
   const KV* kbase = reinterpret_cast<const KV*>(p.cache) + (int64_t)kvh * D;
   const int bs_mask = (1 << p.bs_log2) - 1;
-  auto issue = [&](int i) {  // cp.async of the warp's tile i into stage i % S (an empty group past the end)
+  // cp.async of the warp's tile i's keys of one kind (Keys) into stage i % S (an empty group past the end)
+  auto issue = [&](int i, auto which) {
     if (i < my_tiles) {
       const int t0 = t_begin + (warp + i * NW) * BN;
       unsigned char* st = ring + (i % S) * C::STAGE;
@@ -93,16 +95,17 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
         const int idx = c * 32 + lane;
         const int r = idx / CPR, col = (idx % CPR) * VEC;
         const int t = min(t0 + r, t_end - 1);  // a real token of this partition: never garbage
-        const int blk = __ldg(bt + (t >> p.bs_log2));
-        const KV* kp = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_elems + col;
-        cp_async16(st + r * C::RLD + col * sizeof(KV), kp, true);
-        cp_async16(st + (BN + r) * C::RLD + col * sizeof(KV), kp + p.v_offset, true);
+        if (takes(which, t, t_new)) {
+          const int blk = __ldg(bt + (t >> p.bs_log2));
+          const KV* kp = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_elems + col;
+          cp_async16(st + r * C::RLD + col * sizeof(KV), kp, true);
+          cp_async16(st + (BN + r) * C::RLD + col * sizeof(KV), kp + p.v_offset, true);
+        }
       }
     }
-    cp_async_commit();
+    commit_unless_old(which);
   };
-#pragma unroll
-  for (int i = 0; i < S - 1; ++i) issue(i);
+  ring_prologue<S, SPLIT>(issue);
 
   // Q fragments straight from global memory, in the A layout of mma.m16n8k16 (a lane holds query heads
   // lane / 4 and lane / 4 + 8 at columns 2 (lane % 4) + {0, 1} and + 8); heads G..15 are zero rows. No
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 
   for (int i = 0; i < my_tiles; ++i) {
     __syncwarp();  // every lane is done with the stage that issue() refills
-    issue(i + S - 1);
+    issue(i + S - 1, KeysOf<Keys::All>{});
     cp_async_wait<S - 1>();
     const unsigned char* stage = ring + (i % S) * C::STAGE;
     __syncwarp();  // tile i's copies by every lane have landed
@@ -437,23 +440,24 @@ __device__ __forceinline__ void fp8_softmax(const AttnParams& p, float (&sc)[NN]
 template <typename T, int D, int KH, int NN, bool CAP = false, bool SPLIT = false>
 __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnParams p) {
   static_assert(KH == 1 || !SPLIT, "the split-K merge counts one kv head per CTA");
-  if constexpr (!SPLIT) PAGEDNB_PDL_ENTER();
+  if constexpr (!SPLIT) decode_entry(p);
   using C = GroupFp8Cfg<D, KH>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, CPR = C::CPR, CPL = C::CPL;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
 
-  if constexpr (SPLIT)  // the order is written by the step's sort, a kernel of this step: read after the wait
-    if (p.row_order) pdl_wait();
+  if constexpr (SPLIT)  // the order is written by the step's sort: before the wait only where early_keys says so
+    if (p.row_order && !p.early_keys) pdl_wait();
   const int cols = p.Hkv / KH;
   const int row = cta_row(p, cols);  // the row kernel's launch order (decode.cuh)
   const int kvh0 = blockIdx.x % cols * KH, G = p.G;
   RowKeys keys;
   if constexpr (SPLIT) {
     if (!split_entry<Fp8E4M3, D, C::NT>(p, row, kvh0, keys)) return;
-  } else {
-    if (!row_keys(p, row, keys)) return;
+  } else if (!row_keys(p, row, keys)) {
+    pdl_wait();  // common.cuh's rule 2
+    return;
   }
-  const int t_begin = keys.t_begin, t_end = keys.t_end;
+  const int t_begin = keys.t_begin, t_end = keys.t_end, t_new = keys.t_new;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
 
   // this warp's tiles of the partition: j = warp, warp + NW, ...
@@ -464,7 +468,8 @@ __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnPar
   const int64_t row_bytes = (int64_t)p.Hkv * D;
   const uint8_t* kbase = reinterpret_cast<const uint8_t*>(p.cache) + (int64_t)kvh0 * D;
   const int bs_mask = (1 << p.bs_log2) - 1;
-  auto issue = [&](int i) {  // cp.async of the warp's tile i into stage i % S (an empty group past the end)
+  // cp.async of the warp's tile i's keys of one kind (Keys) into stage i % S (an empty group past the end)
+  auto issue = [&](int i, auto which) {
     if (i < my_tiles) {
       const int t0 = t_begin + (warp + i * NW) * BN;
       unsigned char* st = ring + (i % S) * C::STAGE;
@@ -472,17 +477,18 @@ __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnPar
       for (int c = 0; c < CPL; ++c) {
         const int idx = c * 32 + lane, r = idx / CPR, chunk = idx % CPR;
         const int t = min(t0 + r, t_end - 1);  // a real token of this partition: never garbage
-        const int blk = __ldg(bt + (t >> p.bs_log2));
-        const uint8_t* kp = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_bytes + chunk * 16;
-        const int at = fp8_tile_offset<D, KH>(r, chunk);
-        cp_async16(st + at, kp, true);
-        cp_async16(st + C::TILE + at, kp + p.v_offset, true);
+        if (takes(which, t, t_new)) {
+          const int blk = __ldg(bt + (t >> p.bs_log2));
+          const uint8_t* kp = kbase + (((int64_t)blk << p.bs_log2) + (t & bs_mask)) * row_bytes + chunk * 16;
+          const int at = fp8_tile_offset<D, KH>(r, chunk);
+          cp_async16(st + at, kp, true);
+          cp_async16(st + C::TILE + at, kp + p.v_offset, true);
+        }
       }
     }
-    cp_async_commit();
+    commit_unless_old(which);
   };
-#pragma unroll
-  for (int i = 0; i < S - 1; ++i) issue(i);
+  ring_prologue<S, SPLIT>(issue);
 
   uint32_t qf[KH][NN][D / 16][2];
   float sl2[KH];
@@ -504,7 +510,7 @@ __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnPar
 
   for (int i = 0; i < my_tiles; ++i) {
     __syncwarp();  // every lane is done with the stage that issue() refills
-    issue(i + S - 1);
+    issue(i + S - 1, KeysOf<Keys::All>{});
     cp_async_wait<S - 1>();
     __syncwarp();  // tile i's copies by every lane have landed
     const unsigned char* sK = ring + (i % S) * C::STAGE;

@@ -46,6 +46,9 @@ struct AttnParams {
   float softcap_log2;        // attention logit soft-capping (Gemma 2) in log2 units, softcap * log2(e); 0: none
   int cache_fp8;             // 1: the cache holds float8 e4m3, fp8(x / scale) (common.cuh); 0: the query's dtype
   float k_scale, v_scale;    // an fp8 cache's per-layer scales (keys read as fp8 * k_scale); 1 otherwise
+  int early_keys;            // decode kernels: 1 = row lookup, row_order and the keys of earlier steps read before
+                             // griddepcontrol.wait (decode.cuh, Keys); 0 = after it (the launch right behind the
+                             // step's sort, or PAGEDNB_EARLY_KEYS=0)
 };
 
 // The tensor-core decode kernel (decode_group_mma.cuh) serves the rows of 16-bit models with 4 to 16 query

@@ -140,6 +140,10 @@ class CudaPagedBackend(AttentionBackend):
         # decode rows longest first at ORDER_MIN_ROWS and more (False: in batch order; PAGEDNB_LONGEST_FIRST=0
         # sets it for A/B runs of a whole engine, as PAGEDNB_PDL=0 does for programmatic dependent launch)
         self.longest_first = os.environ.get("PAGEDNB_LONGEST_FIRST", "1") != "0"
+        # decode CTAs look up their row and copy the keys of earlier steps before their PDL wait, while the q/k
+        # norm + RoPE + cache write kernel before them runs (decode.cuh, Keys; PAGEDNB_EARLY_KEYS=0: after it,
+        # for A/B runs of a whole engine)
+        self.early_keys = os.environ.get("PAGEDNB_EARLY_KEYS", "1") != "0"
         # A/B knobs of benchmarks/kernels.py --only workload (None: the planner's choice): one-partition launches
         # (large batches) split into partitions of split_tokens where the plan's longest row is longer; split
         # launches (small batches) in partitions of tail_tokens
@@ -263,16 +267,19 @@ class CudaPagedBackend(AttentionBackend):
             decode_only = 0 if rows_on_cuda_cores else 1
             key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only, self.row_variant, fp8)
             rp = plan.row_plans.get(key)
+            sorted_now = False  # the sort's kernels run right before this launch: its CTAs read the order after the wait
             if rp is None:
                 rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant, fp8,
                                     plan.rows if decode_only == 0 else plan.num_decode,
                                     min(plan.max_seq_len, window) if window else plan.max_seq_len, query.device)
                 rp = (*rp, self._row_order(plan))
                 plan.row_plans[key] = rp
+                sorted_now = rp[-1] is not None
             p.P, p.part_size, p.head_groups, order = rp
             if order is not None:
                 p.row_order = order.data_ptr()
             p.decode_only = decode_only
+            p.early_keys = 0 if sorted_now else int(self.early_keys)
             if p.P > 1:
                 part_o = torch.empty((plan.rows, num_heads, p.P, head_dim), dtype=torch.float32, device=query.device)
                 part_ml = torch.empty((plan.rows, num_heads, p.P, 2), dtype=torch.float32, device=query.device)

@@ -109,5 +109,5 @@ class AttnParams(ctypes.Structure):
         ("bs_log2", _I32), ("window", _I32), ("part_size", _I32), ("P", _I32),
         ("decode_only", _I32), ("max_query_len", _I32), ("max_tiles", _I32),
         ("scale_log2", _F32), ("row_variant", _I32), ("softcap_log2", _F32),
-        ("cache_fp8", _I32), ("k_scale", _F32), ("v_scale", _F32),
+        ("cache_fp8", _I32), ("k_scale", _F32), ("v_scale", _F32), ("early_keys", _I32),
     ]
