@@ -2,29 +2,48 @@
 
 The split-K merge lives in the decode kernels' SPLIT instantiations, which the host launches only when a
 step has P > 1 partitions; a one-partition launch (every large batch) must cost what it did before the merge
-existed. This compiles kernels_cuda/decode_<dtype>.cu of this tree and of --ref with jit.py's flags for
-sm_90 (no GPU needed, only nvcc) and checks that every one-partition kernel has the resources of the kernel
-of the same name at --ref; the SPLIT ones are listed beside their one-partition twin.
+existed. This compiles the decode build units of this tree and of --ref (kernels_cuda/decode_hd<D>.cu, one per
+head_dim with every dtype; decode_<dtype>.cu before round 11's build split) with jit.py's flags for sm_90 (no GPU
+needed, only nvcc) and checks that every one-partition kernel (row kernel, 16-bit and fp8 tensor-core kernels) has
+the resources of the kernel of the same name at --ref; the SPLIT ones are listed beside their one-partition twin.
 
     python benchmarks/decode_registers.py [--ref HEAD] [--dtypes bf16,f16,f32]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["-gencode=arch=compute_90,code=sm_90", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v"]
-KERNEL = re.compile(r"(row_attn_kernel|group_mma_decode_kernel)<(.*)>\(pagednb::AttnParams\)$")
+KERNEL = re.compile(r"(row_attn_kernel|group_mma_decode_kernel|group_mma_fp8_decode_kernel)<(.*)>"
+                    r"\(pagednb::AttnParams\)$")
+DTYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float"}  # the kernels' first template argument
 
 
-def resources(src_dir: Path, dtype: str) -> dict[str, tuple[int, int, int]]:
-    """{demangled kernel: (registers, spill bytes stored + loaded, static smem bytes)} of one decode unit."""
-    log = subprocess.run(["nvcc", *FLAGS, "-c", str(src_dir / f"decode_{dtype}.cu"), "-o", "/dev/null"],
+def units(src_dir: Path) -> list[Path]:
+    """The tree's decode build units: one per head_dim, or (before the split) one per dtype."""
+    return sorted(src_dir.glob("decode_hd*.cu")) or [src_dir / f"decode_{d}.cu" for d in DTYPES
+                                                     if (src_dir / f"decode_{d}.cu").exists()]
+
+
+def resources(src_dir: Path) -> dict[str, tuple[int, int, int]]:
+    """{demangled kernel: (registers, spill bytes stored + loaded, static smem bytes)} of every decode unit."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        found = {}
+        for part in pool.map(unit_resources, units(src_dir)):
+            found.update(part)
+    return found
+
+
+def unit_resources(unit: Path) -> dict[str, tuple[int, int, int]]:
+    log = subprocess.run(["nvcc", *FLAGS, "-c", str(unit), "-o", "/dev/null"],
                          capture_output=True, text=True, check=True).stderr
     found, name = {}, None
     for line in log.splitlines():
@@ -58,6 +77,8 @@ def compare(dtype: str, ours: dict, theirs: dict) -> bool:
         if not m:
             continue
         args = m.group(2).split(", ")
+        if args[0] != DTYPES[dtype]:
+            continue
         if m.group(1) == "row_attn_kernel" and len(args) == 8:  # KVC, kv heads per CTA: 1 is the kernel a ref had
             if args.pop() != "1":
                 paired.append(res)
@@ -73,7 +94,7 @@ def compare(dtype: str, ours: dict, theirs: dict) -> bool:
             same += 1
         else:
             differ.append((name, res, ref))
-    print(f"decode_{dtype}.cu: {same} one-partition kernels as at the ref, {len(differ)} differ")
+    print(f"{dtype}: {same} one-partition kernels as at the ref, {len(differ)} differ")
     for name, res, ref in differ:
         print(f"  DIFFERS {name}: (registers, spill bytes, smem) {res} vs {ref}")
     spilling = [s for s in split if s[1][1]]
@@ -95,8 +116,9 @@ def main() -> None:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         ref_dir = checkout(args.ref, Path(tmp))
+        ours, theirs = resources(ROOT / "kernels_cuda"), resources(ref_dir)
         for dtype in args.dtypes.split(","):
-            ok &= compare(dtype, resources(ROOT / "kernels_cuda", dtype), resources(ref_dir, dtype))
+            ok &= compare(dtype, ours, theirs)
     sys.exit(0 if ok else 1)
 
 

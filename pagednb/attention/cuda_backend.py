@@ -267,7 +267,7 @@ class CudaPagedBackend(AttentionBackend):
             decode_only = 0 if rows_on_cuda_cores else 1
             key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only, self.row_variant, fp8)
             rp = plan.row_plans.get(key)
-            sorted_now = False  # the sort's kernels run right before this launch: its CTAs read the order after the wait
+            sorted_now = False  # the sort runs right before this launch: its CTAs read the order after their wait
             if rp is None:
                 rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant, fp8,
                                     plan.rows if decode_only == 0 else plan.num_decode,
