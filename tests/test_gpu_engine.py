@@ -23,6 +23,25 @@ def test_gpu_greedy_matches_hf(tiny_model_dir, arch):
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
+def test_eager_steps_run_the_lm_head_at_bucket_sizes_and_sample_only_their_own_rows(tiny_model_dir):
+    """Prompts of 5 requests prefill in eager steps; the LM head's rows are padded to 8 (DecodeGraphs.rows_bucket:
+    few cuBLAS shapes) and the outputs stay HF's."""
+    path = tiny_model_dir("qwen3")
+    prompts = [f"Story {i}: once upon a time" for i in range(5)]
+    refs = hf_greedy(path, prompts, 12, device="cuda")
+    with LLM(str(path), dtype="float32", num_kv_blocks=64) as llm:
+        model = llm.engine.runner.model
+        real, rows = model.compute_logits, []
+        model.compute_logits = lambda hidden: (rows.append(hidden.shape[0]), real(hidden))[1]
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)
+        finally:
+            model.compute_logits = real
+    assert rows and all(n == 8 for n in rows), rows  # the graphs' own logits are not computed here
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
 def test_auto_dtype_is_bfloat16_and_the_pool_is_sized_by_profiling(tiny_model_dir, caplog):
     # 16 layers x 8 kv heads x 32: 256 KiB per block, so the budget, not max_num_seqs, bounds the pool
     path = tiny_model_dir("llama", num_hidden_layers=16, hidden_size=256, num_attention_heads=8, num_key_value_heads=8)

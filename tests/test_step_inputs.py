@@ -53,6 +53,29 @@ def test_bucket_sizes_are_small_powers_of_two_then_multiples_of_16_up_to_the_lim
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and np.all(np.diff(sizes[4:]) == 16)
 
 
+def test_an_eager_steps_lm_head_rows_are_padded_to_a_bucket_size():
+    """Few GEMM shapes for cuBLAS (a new one costs host time once per process), the graphs' among them."""
+    sizes = DecodeGraphs.bucket_sizes(256)
+    for n in range(1, 257):
+        padded = DecodeGraphs.rows_bucket(n, 256)
+        assert padded in sizes and padded >= n and padded - n < max(n, 16), n
+    assert DecodeGraphs.rows_bucket(0, 256) == 0  # no LM head at all
+    assert DecodeGraphs.rows_bucket(3, 256) == 4 and DecodeGraphs.rows_bucket(17, 256) == 32
+    assert DecodeGraphs.rows_bucket(17, 20) == 20 and DecodeGraphs.rows_bucket(20, 20) == 20  # never past the limit
+
+
+def test_the_logits_rows_may_outnumber_the_steps_sequences_up_to_the_buffers_rows():
+    buffers = StepBuffers(max_tokens=64, max_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    v = buffers.views(37, 3, 2, 4)  # 3 sequences, 4 rows of logits (one padding row)
+    assert len(v.logits_indices) == 4
+    try:
+        buffers.views(37, 3, 2, 9)
+    except ValueError as e:
+        assert "exceeds the buffers" in str(e)
+    else:
+        raise AssertionError("no error")
+
+
 def _sched(*tokens_and_samples) -> SchedulerOutput:
     return SchedulerOutput(scheduled=[ScheduledRequest(None, 0, n, [], False, samples)
                                       for n, samples in tokens_and_samples])

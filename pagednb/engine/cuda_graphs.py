@@ -55,6 +55,17 @@ class DecodeGraphs:
         sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, max_batch_size, 16))
         return sizes + [max_batch_size]
 
+    @staticmethod
+    def rows_bucket(n: int, limit: int) -> int:
+        """The smallest of bucket_sizes' sizes (1, 2, 4, 8, a multiple of 16) that holds n rows, at most limit
+        (>= n). An eager step runs its LM head over this many rows, so cuBLAS meets few GEMM shapes, those the
+        graphs' capture met among them: each new one costs ~8 ms of host time once per process (benchmarks/NOTES.md,
+        issue 19's fourteenth round), and the steps that prefill the first prompts meet a new one each."""
+        if n <= 0:
+            return 0  # no LM head at all (a tensor-parallel worker runs one where rank 0 does)
+        size = 1 << (n - 1).bit_length() if n <= 8 else -(-n // 16) * 16
+        return max(n, min(size, limit))
+
     def size_for(self, sched: SchedulerOutput) -> int | None:
         """The bucket for this step, or None when it must run eagerly (prefill tokens, too many rows)."""
         n = len(sched.scheduled) + sched.num_draft_tokens  # a drafted request's tokens are rows of their own

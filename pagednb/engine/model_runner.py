@@ -204,7 +204,7 @@ class ModelRunner:
             if not sampled_reqs:
                 return LaunchedStep(None if prompt_logprobs is None else SamplerOutput(
                     torch.empty(0, dtype=torch.int64), None, None, None, prompt_logprobs=prompt_logprobs))
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])[:len(sampled_reqs)]
         # built while the GPU runs the forward; its tensors travel through pinned memory, so nothing
         # here waits for the device
         sampling = SamplingMetadata.build(
@@ -394,10 +394,12 @@ class ModelRunner:
         seq_lens = starts_np + lens_np
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // self.block_size)
-        v = self.buffers.views(num_tokens, len(lens_np), width, len(sampled_reqs))
+        num_sampled = len(sampled_reqs)
+        v = self.buffers.views(num_tokens, len(lens_np), width, self._logits_rows(num_sampled))
         positions = np.repeat(starts_np - qsl[:-1], lens_np) + np.arange(num_tokens)
         self._write_rows(v, token_ids, positions, np.repeat(rows_np, lens_np), rows_np, seq_lens, width)
-        v.host_logits_indices[:] = qsl[1:][np.array(sample_mask, dtype=bool)] - 1
+        v.host_logits_indices[:num_sampled] = qsl[1:][np.array(sample_mask, dtype=bool)] - 1
+        v.host_logits_indices[num_sampled:] = num_tokens - 1  # padding rows: computed, never sampled
         v.host_query_start_loc[:] = qsl
         self._upload(v, pending_rows, pending_sources)
         metadata = AttentionMetadata(
@@ -407,6 +409,14 @@ class ModelRunner:
         if self.hybrid:
             self._add_layer_metadata(metadata, v)
         return StepInputs(v.input_ids, v.positions, metadata, v.logits_indices), sampled_reqs
+
+    def _logits_rows(self, num_sampled: int) -> int:
+        """How many rows an eager step's LM head computes: on a GPU the sampled rows padded to a graph bucket
+        size (DecodeGraphs.rows_bucket: few GEMM shapes; the padding rows' logits are never read), elsewhere
+        exactly the sampled rows."""
+        if self.device.type != "cuda":
+            return num_sampled
+        return DecodeGraphs.rows_bucket(num_sampled, self.buffers.max_seqs)
 
     def _fill_decode(self, sched: SchedulerOutput, batch_size: int) -> list[Request]:
         """A decode-only step (one token per row, every row sampling) written into the fixed inputs of

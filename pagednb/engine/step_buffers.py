@@ -64,12 +64,13 @@ class StepBuffers:
         self._uploaded = torch.cuda.Event() if on_gpu else None
 
     def views(self, n: int, s: int, w: int, num_logits: int) -> StepViews:
-        """Views for n tokens, s sequences, block tables w wide, num_logits sampled rows.
+        """Views for n tokens, s sequences, block tables w wide, num_logits rows of logits (the sampled rows,
+        or more: an eager step pads them to a bucket, model_runner.py).
 
         Waits for the previous upload first: a step that sampled nothing never synchronised with the GPU,
         so its copies may still be reading the host buffers.
         """
-        if not (n <= self.max_tokens and s <= self.max_seqs and w <= self.max_blocks and num_logits <= s):
+        if not (n <= self.max_tokens and s <= self.max_seqs and w <= self.max_blocks and num_logits <= self.max_seqs):
             raise ValueError(f"step of {n} tokens, {s} sequences, {w} blocks wide exceeds the buffers "
                              f"({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
         if self._uploaded is not None:
