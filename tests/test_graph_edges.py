@@ -10,10 +10,6 @@ the benchmark models at 1 to 256 rows, with producers that keep the same rule:
   * the GEMM reads what the kernel before it stored last, right before exiting;
   * the GEMM's output may reuse the memory that kernel read last.
 
-The edge out of a GEMM into the pagednb kernel after it (RMSNorm, gate-and-multiply, q/k norm + RoPE) relies on
-those kernels alone: they wait before touching memory the step writes. A GPU test runs each of them behind the
-GEMM it follows in the engine, over new inputs every replay.
-
 The policy's names and switches are CPU tests.
 """
 from __future__ import annotations
@@ -30,7 +26,6 @@ from pagednb.engine.graph_edges import (
     gemm_edge_policy,
     gemm_edge_safe,
     graph_kernel_names,
-    into_gemms_only,
     make_gemm_edges_programmatic,
     cublas_hopper_gemm,
 )
@@ -52,22 +47,6 @@ def test_the_policy_takes_cublas_hopper_gemms_behind_late_triggering_pagednb_ker
         assert not gemm_edge_safe(LATE_NORM, other)
 
 
-GATE_AND_MUL = "_ZN7pagednb12_GLOBAL__N_119gate_and_mul_kernelI13__nv_bfloat16Li0ENS_7PdlLateEEEvPT_PKS3_lil"
-QK_ROPE = "_ZN7pagednb12_GLOBAL__N_119qk_norm_rope_kernelI13__nv_bfloat16Li128ELb1EEEvNS_10QkRopeArgsE"
-ATTENTION = "_ZN7pagednb12_GLOBAL__N_115row_attn_kernelI13__nv_bfloat16S1_Li128ELi2ELb1ELb0ELb0ELi1EEEvNS_10AttnParamsE"
-
-
-def test_the_policy_takes_pagednb_elementwise_kernels_behind_cublas_hopper_gemms():
-    for kernel in (LATE_NORM, EARLY_NORM, GATE_AND_MUL, QK_ROPE):
-        assert gemm_edge_safe(GEMM, kernel), kernel
-        assert not into_gemms_only(GEMM, kernel), kernel  # PAGEDNB_GEMM_PDL=in: rounds 10-13's edges only
-    assert into_gemms_only(LATE_NORM, GEMM)
-    assert not gemm_edge_safe(GEMM, ATTENTION)  # reads the cache and the launch order before its wait
-    assert not gemm_edge_safe(GEMM, "void at::native::vectorized_elementwise_kernel")
-    assert not gemm_edge_safe("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", LATE_NORM)
-    assert not gemm_edge_safe(ATTENTION, LATE_NORM)  # two pagednb kernels: PDL launches, no graph rewrite
-
-
 def test_the_switch_is_validated_and_turns_the_edges_off(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv(GEMM_PDL_ENV, "yes")
@@ -86,8 +65,6 @@ def test_the_switches_on_the_gpu(monkeypatch):
     monkeypatch.delenv(GEMM_PDL_ENV, raising=False)
     monkeypatch.delenv("PAGEDNB_PDL", raising=False)
     assert (gemm_edge_policy(dev) is not None) == hopper
-    monkeypatch.setenv(GEMM_PDL_ENV, "in")
-    assert gemm_edge_policy(dev) is (into_gemms_only if hopper else None)
     monkeypatch.setenv("PAGEDNB_PDL", "0")  # every programmatic launch off, the GEMMs' edges too
     assert gemm_edge_policy(dev) is None
 
@@ -211,61 +188,3 @@ def test_a_gemm_behind_a_late_trigger_may_write_where_that_kernel_read(producer,
             return torch.mm(x, weight.t(), out=out)
         _check_with_programmatic_edge(record, lambda: b.copy_(source), expected,
                                       f"{shape} at {rows} rows (writing over its producer's input)")
-
-
-# The engine's pairs: (a projection's (N, K), the pagednb kernel that follows it in a Qwen3-0.6B decode step)
-AFTER_GEMM = {"qkv -> q/k norm + rope": (4096, 1024), "o -> add + rms_norm": (1024, 2048),
-              "gate_up -> silu * up": (6144, 1024), "down -> add + rms_norm": (1024, 3072)}
-
-
-def _after(case: str, y: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           norm_weight: torch.Tensor) -> torch.Tensor:
-    from pagednb.model import fused_ops
-    if case.startswith("qkv"):
-        q, k, _ = y.split([2048, 1024, 1024], dim=-1)
-        q, k = fused_ops.qk_norm_rope(q.view(-1, 16, 128), k.view(-1, 8, 128), cos, sin, norm_weight[:128],
-                                      norm_weight[128:256], 1e-6)
-        return torch.cat([q.reshape(len(y), -1), k.reshape(len(y), -1)], dim=-1)
-    if case.startswith("gate_up"):
-        return fused_ops.gate_and_mul(y, fused_ops.SILU)
-    out, stream = fused_ops.rms_norm(y, norm_weight, 1e-6, residual)
-    return torch.cat([out, stream], dim=-1)
-
-
-@pytest.mark.skipif(not CUDA, reason=GPU_REASON)
-@pytest.mark.parametrize("case", sorted(AFTER_GEMM))
-def test_a_pagednb_kernel_behind_a_gemm_reads_the_gemms_output_of_this_replay(case):
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs a Hopper GPU (programmatic edges)")
-    from pagednb.kernels.jit import load_kernels
-    if load_kernels() is None:
-        pytest.fail("pagednb's CUDA kernels did not build")
-    N, K = AFTER_GEMM[case]
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    weight = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) / 32
-    norm_weight = torch.rand(1024, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
-    for rows in ROWS:
-        x = torch.empty(rows, K, device="cuda", dtype=torch.bfloat16)
-        residual = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
-        angle = torch.rand(rows, 1, 64, device="cuda", generator=gen) * 6
-        cos = torch.cat([angle.cos()] * 2, dim=-1).to(torch.bfloat16)
-        sin = torch.cat([angle.sin()] * 2, dim=-1).to(torch.bfloat16)
-
-        def record():
-            return _after(case, F.linear(x, weight), residual, cos, sin, norm_weight)
-        x.normal_(generator=gen)
-        record()  # cuBLAS's handle and workspace, the kernels' attributes, before the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph):
-            out = record()
-        assert make_gemm_edges_programmatic(graph.raw_cuda_graph(), gemm_edge_safe) == 1, \
-            graph_kernel_names(graph.raw_cuda_graph())
-        graph.instantiate()
-        for _ in range(REPLAYS):
-            x.normal_(generator=gen)  # new inputs: a kernel reading early would see the last replay's output
-            expected = record()
-            torch.cuda.synchronize()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, expected), f"{case} at {rows} rows"

@@ -19,10 +19,9 @@ So the kernel before the GEMM must be done with memory when it lets the GEMM lau
 visible by then without the GEMM's wait: pagednb's PdlLate kernels (kernels_cuda/common.cuh) trigger only by
 exiting, after a GPU-wide fence behind their last store; the launchers pick them where a GEMM comes next.
 
-The edge out of a GEMM into the pagednb kernel after it (RMSNorm, gate-and-multiply, q/k norm + RoPE) needs
-nothing of cuBLAS: those kernels wait (griddepcontrol.wait, which returns once the GEMM has completed and its
-stores are visible) before they touch memory the step writes, so they may launch as the GEMM's CTAs exit rather
-than after its completion (issue 19's fourteenth round: fp8 +0.4%, Llama +0.4%).
+The edges out of a GEMM into pagednb's kernels need no rewrite: a kernel launched with the PDL attribute is
+captured with a programmatic edge from the node before it (issue 19's fourteenth round: a policy that also
+admitted GEMM -> RMSNorm / gate-and-multiply / q/k norm + RoPE edges found none left to turn).
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ from functools import lru_cache
 
 import torch
 
-# A/B knob (benchmarks/whole_run_ab.py): "1" (the default), "in" (the edges into GEMMs only) or "0"; PAGEDNB_PDL=0
-# turns it off with every other programmatic launch
+# A/B knob (benchmarks/whole_run_ab.py): "1" (the default) or "0"; PAGEDNB_PDL=0 turns it off with every other
+# programmatic launch
 GEMM_PDL_ENV = "PAGEDNB_GEMM_PDL"
 
 _CU_GRAPH_NODE_TYPE_KERNEL = 0
@@ -139,8 +138,8 @@ def graph_kernel_names(raw_graph: int) -> list[str]:
 
 
 def cublas_hopper_gemm(kernel: str) -> bool:
-    """cuBLAS's Hopper GEMM kernels, the GEMMs the policy knows (every decode GEMM of the benchmark shapes at
-    M = 1-256 runs one)."""
+    """cuBLAS's Hopper GEMM kernels, the destinations the policy knows (every decode GEMM of the benchmark shapes
+    at M = 1-256 runs one)."""
     return kernel.startswith("nvjet_sm90")
 
 
@@ -150,34 +149,19 @@ def done_with_memory_when_it_triggers(kernel: str) -> bool:
     return "pagednb" in kernel and "PdlLate" in kernel
 
 
-def waits_before_memory(kernel: str) -> bool:
-    """pagednb's elementwise kernels that follow the decode GEMMs (RMSNorm, gate-and-multiply, q/k norm + RoPE):
-    before their griddepcontrol.wait they write nothing and read only what no kernel of the step writes (weights,
-    the step's cos/sin rows and slots: common.cuh's rule 1), and the wait returns once the GEMM has completed
-    and its stores are visible."""
-    return "pagednb" in kernel and any(k in kernel for k in ("rms_norm_kernel", "gate_and_mul_kernel",
-                                                             "qk_norm_rope_kernel"))
-
-
-def into_gemms_only(source: str, dest: str) -> bool:
-    """PAGEDNB_GEMM_PDL=in: the edges into GEMMs alone (rounds 10-13's policy, for A/B runs)."""
-    return cublas_hopper_gemm(dest) and done_with_memory_when_it_triggers(source)
-
-
-def gemm_edge_safe(source: str, dest: str) -> bool:
-    """The engine's policy: a cuBLAS Hopper GEMM behind a pagednb PdlLate kernel, and a pagednb elementwise
-    kernel behind a cuBLAS Hopper GEMM (which then launches as the GEMM's CTAs exit, not after its completion)."""
-    return into_gemms_only(source, dest) or (cublas_hopper_gemm(source) and waits_before_memory(dest))
+def gemm_edge_safe(source: str, gemm: str) -> bool:
+    """The engine's policy: a cuBLAS Hopper GEMM behind a pagednb PdlLate kernel."""
+    return cublas_hopper_gemm(gemm) and done_with_memory_when_it_triggers(source)
 
 
 def gemm_edge_policy(device: torch.device) -> Callable[[str, str], bool] | None:
     """Which edges of a decode graph become programmatic on this device, or None: none (before Hopper,
     PAGEDNB_PDL=0 or PAGEDNB_GEMM_PDL=0)."""
     raw = os.environ.get(GEMM_PDL_ENV, "1").strip() or "1"
-    if raw not in ("0", "1", "in"):
-        raise ValueError(f"{GEMM_PDL_ENV} must be 1 (every edge), in (the edges into GEMMs only) or 0, got {raw!r}")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{GEMM_PDL_ENV} must be 0 or 1, got {raw!r}")
     if raw == "0" or os.environ.get("PAGEDNB_PDL", "").strip() == "0" or device.type != "cuda":
         return None
     if torch.cuda.get_device_capability(device)[0] < 9:
         return None
-    return into_gemms_only if raw == "in" else gemm_edge_safe
+    return gemm_edge_safe
