@@ -1,6 +1,7 @@
 """Step inputs: the preallocated buffers they are written into, and which steps a decode CUDA graph
 serves. (The graphs themselves run on a GPU: tests/test_gpu_engine.py.)"""
 import numpy as np
+import pytest
 import torch
 
 from pagednb.engine.cuda_graphs import DecodeGraphs
@@ -68,12 +69,8 @@ def test_the_logits_rows_may_outnumber_the_steps_sequences_up_to_the_buffers_row
     buffers = StepBuffers(max_tokens=64, max_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
     v = buffers.views(37, 3, 2, 4)  # 3 sequences, 4 rows of logits (one padding row)
     assert len(v.logits_indices) == 4
-    try:
-        buffers.views(37, 3, 2, 9)
-    except ValueError as e:
-        assert "exceeds the buffers" in str(e)
-    else:
-        raise AssertionError("no error")
+    with pytest.raises(ValueError, match="exceeds the buffers"):
+        buffers.views(37, 3, 2, 9)  # more than the buffers' 8 rows
 
 
 def _sched(*tokens_and_samples) -> SchedulerOutput:
