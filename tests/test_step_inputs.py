@@ -69,7 +69,7 @@ def test_the_logits_rows_may_outnumber_the_steps_sequences_up_to_the_buffers_row
     buffers = StepBuffers(max_tokens=64, max_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
     v = buffers.views(37, 3, 2, 4)  # 3 sequences, 4 rows of logits (one padding row)
     assert len(v.logits_indices) == 4
-    with pytest.raises(ValueError, match="exceeds the buffers"):
+    with pytest.raises(ValueError, match="9 rows of logits exceeds the buffers"):
         buffers.views(37, 3, 2, 9)  # more than the buffers' 8 rows
 
 

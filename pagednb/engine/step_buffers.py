@@ -71,8 +71,9 @@ class StepBuffers:
         so its copies may still be reading the host buffers.
         """
         if not (n <= self.max_tokens and s <= self.max_seqs and w <= self.max_blocks and num_logits <= self.max_seqs):
-            raise ValueError(f"step of {n} tokens, {s} sequences, {w} blocks wide exceeds the buffers "
-                             f"({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
+            raise ValueError(f"step of {n} tokens, {s} sequences, {w} blocks wide, {num_logits} rows of logits "
+                             f"exceeds the buffers ({self.max_tokens} tokens, {self.max_seqs} rows, "
+                             f"{self.max_blocks} blocks)")
         if self._uploaded is not None:
             self._uploaded.synchronize()
         # int64: ids [0, n), positions [n, 2n), slots [2n, (2 + g)n), logits rows [(2 + g)n, + num_logits);
