@@ -63,8 +63,7 @@ class DecodeGraphs:
         issue 19's fourteenth round), and the steps that prefill the first prompts meet a new one each."""
         if n <= 0:
             return 0  # no LM head at all (a tensor-parallel worker runs one where rank 0 does)
-        size = 1 << (n - 1).bit_length() if n <= 8 else -(-n // 16) * 16
-        return max(n, min(size, limit))
+        return next(size for size in DecodeGraphs.bucket_sizes(limit) if size >= n)
 
     def size_for(self, sched: SchedulerOutput) -> int | None:
         """The bucket for this step, or None when it must run eagerly (prefill tokens, too many rows)."""
