@@ -189,7 +189,8 @@ def bench_workload(backend, reps: int, gen, plans: list[str], kv_dtype: torch.dt
                 plan = next(iter(inputs[0][2]._cuda_plan.row_plans.values()))
                 ms = sum(times[name]) / len(times[name])
                 r[name] = {"ms": ms, "GBps": kv_bytes / ms / 1e6, "partitions": plan[0],
-                           "partition_tokens": plan[1], "sorted": plan[3] is not None, "ms_each_pass": times[name]}
+                           "partition_tokens": plan[1], "sorted": inputs[0][2]._cuda_plan.order is not None,
+                           "ms_each_pass": times[name]}
         apply_plan(backend, "engine")
         res[f"step_{step}"] = r
         print(f"step {step}: {r}", flush=True)

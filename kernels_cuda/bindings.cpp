@@ -141,8 +141,33 @@ int pagednb_decode_tensor_cores(int dtype, int head_dim, int G, int variant, int
   return pagednb::group_mma_applies(dtype, head_dim, G, variant, cache_fp8) ? 1 : 0;
 }
 
+// 1 where a decode launch of this configuration can fuse the step's q/k norm + rotary embedding and cache write
+// (AttnParams.fuse_rope; softcap: 1 where the layer soft-caps its scores).
+int pagednb_decode_fuses_rope(int dtype, int head_dim, int G, int variant, int cache_fp8, int softcap) {
+  return pagednb::decode_fuses_rope(dtype, head_dim, G, variant, cache_fp8, softcap) ? 1 : 0;
+}
+
+// Resident CTAs per SM of the kernel serving decode rows of this configuration (the tensor-core fp8 kernel counts a
+// CTA per kv head): the backend sizes a wave with it.
+int pagednb_decode_resident_ctas(int dtype, int head_dim, int G, int variant, int cache_fp8) {
+  if (!supported_dtype(dtype) || !supported_head_dim(head_dim) || G <= 0) return -1;
+  return resident_ctas(dtype, head_dim, G, variant, cache_fp8 ? 1 : 0);
+}
+
 int pagednb_row_attention(int dtype, int head_dim, const AttnParams* p, void* stream) {
   if (check_params(dtype, head_dim, p) != 0 || p->P < 1 || p->part_size < 1 || p->head_groups < 1) return -1;
+  if (p->fuse_rope) {  // one row per sequence (its token), on a kernel that fuses, its inputs in 16-byte vectors
+    if (p->num_rows != p->num_seqs || p->k_new == nullptr || p->v_new == nullptr ||
+        p->rope_cos == nullptr || p->rope_sin == nullptr || p->slots == nullptr ||
+        (p->q_norm_weight == nullptr) != (p->k_norm_weight == nullptr) ||
+        !pagednb::decode_fuses_rope(dtype, head_dim, p->G, p->row_variant, p->cache_fp8, p->softcap_log2 > 0.f))
+      return -1;
+    const int64_t es = elem_size(dtype);
+    if (!aligned16({p->q, p->k_new, p->v_new, p->rope_cos, p->rope_sin, p->q_norm_weight, p->k_norm_weight},
+                   {p->q_stride_tok * es, p->q_stride_head * es, p->k_stride_tok * es, p->k_stride_head * es,
+                    p->v_stride_tok * es, p->v_stride_head * es, p->cos_sin_stride * es}))
+      return -1;
+  }
   if (p->num_rows <= 0) return 0;
   switch (dtype) {
     case pagednb::kFloat32: return pagednb::launch_row_f32(head_dim, *p, stream);

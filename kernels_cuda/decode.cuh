@@ -35,6 +35,7 @@
 
 #include "common.cuh"
 #include "launchers.h"
+#include "qk_rope.cuh"
 
 namespace pagednb {
 
@@ -268,23 +269,108 @@ __device__ __forceinline__ void decode_entry(const AttnParams& p) {
   if (!p.early_keys) pdl_wait();
 }
 
+struct NoHook {
+  __device__ void operator()() const {}
+};
+
 // The ring's first S - 1 stages around the wait: every stage's old keys, the wait, then every stage's new keys,
 // each stage committing its cp.async group there (the old keys' copies all join the first group, so a stage's
-// copies have landed once its own group has). issue(i, which) copies stage i's keys of that kind.
-// A SPLIT CTA has waited in split_entry: its stages are copied whole, as before.
-template <int S, bool SPLIT, typename Issue>
-__device__ __forceinline__ void ring_prologue(Issue&& issue) {
+// copies have landed once its own group has). issue(i, which) copies stage i's keys of that kind; after_wait()
+// runs between the wait and the new keys' copies (FusedRope writes the new token's K/V there).
+// A SPLIT CTA has waited in split_entry: after_wait() first, then its stages are copied whole (with the fused
+// prologue, copying the old keys before it measured slower at batch 1: 13.3 against 12.6 us per layer).
+template <int S, bool SPLIT, typename Issue, typename AfterWait = NoHook>
+__device__ __forceinline__ void ring_prologue(Issue&& issue, AfterWait&& after_wait = AfterWait{}) {
   if constexpr (SPLIT) {
+    after_wait();
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) issue(i, KeysOf<Keys::All>{});
   } else {
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) issue(i, KeysOf<Keys::Old>{});
     pdl_wait();
+    after_wait();
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) issue(i, KeysOf<Keys::New>{});
   }
 }
+
+// ---- the step's q/k norm + rotary embedding and K/V cache write in a decode CTA's prologue (p.fuse_rope) ----
+// In a decode-only step the separate qk_norm_rope launch (fused_ops.cu) costs a launch and its drain per layer. With
+// fuse_rope each decode CTA does that work for itself, after its wait: its query heads into a shared-memory tile
+// (the kernel's q load reads them from there, not from global memory), and, in the CTA whose keys hold the row's
+// new token, that token's K (normed, rotated, rounded to T, quantised for an fp8 cache) and V into their cache slot,
+// before its ring copies the new keys (the CTA's barrier orders the stores before the copies). The math is
+// qk_rope.cuh's, so the bits are the separate launch's. The CTA's 128 threads take the items (its query heads, then
+// its kv heads' K, then their V) in groups of QkCfg's LANES lanes, one 16-byte vector per lane.
+template <typename T, typename KV, int D>
+struct FusedRope {
+  using C = QkCfg<T, D>;
+  static constexpr int LANES = C::LANES, E = C::E, ITEMS = C::ITEMS;
+  static_assert(sizeof(T) == 2 && C::NV == 1, "16-bit rows: one 16-byte vector per lane");
+  uint4 cos, sin, q_w, k_w;  // the lane's parts of the token's cos and sin rows and of the norm weights
+  int64_t slot;
+
+  // Before the wait (common.cuh's rule 1, as qk_norm_rope_kernel reads them): the norm weights (no kernel writes
+  // them), the token's cache slot (a host copy) and its cos/sin rows (looked up by torch kernels at the start of
+  // the forward, complete before the step's first PDL kernel started).
+  __device__ __forceinline__ void load(const AttnParams& p, int row) {
+    const int at = (threadIdx.x % LANES) * E;
+    cos = ldg16(static_cast<const T*>(p.rope_cos) + (int64_t)row * p.cos_sin_stride + at);
+    sin = ldg16(static_cast<const T*>(p.rope_sin) + (int64_t)row * p.cos_sin_stride + at);
+    if (p.q_norm_weight != nullptr) {
+      q_w = ldg16(static_cast<const T*>(p.q_norm_weight) + at);
+      k_w = ldg16(static_cast<const T*>(p.k_norm_weight) + at);
+    }
+    slot = __ldg(p.slots + row);
+  }
+
+  // After the wait: the query heads of kv heads kvh0 .. kvh0 + KH - 1 into q_tile ([KH * G][D]) and, where
+  // writes, those kv heads' K and V of the token into the cache. Every thread of the CTA calls it (shuffles and
+  // the closing barrier).
+  __device__ __forceinline__ void apply(const AttnParams& p, int row, int kvh0, int KH, bool writes,
+                                        T* q_tile) const {
+    const int lane = threadIdx.x % LANES;
+    const int nq = KH * p.G, items = nq + (writes ? 2 * KH : 0);
+    const bool norm = p.q_norm_weight != nullptr;
+    const NormWeight style{p.norm_offset, p.norm_in_float32};
+    float c[E], s[E];
+    Elem<T>::unpack(cos, c);
+    Elem<T>::unpack(sin, s);
+    for (int base = 0; base < items; base += ITEMS) {  // the same passes in every thread
+      const int item = base + threadIdx.x / LANES;
+      const bool valid = item < items, is_q = item < nq, is_v = item >= nq + KH;
+      const int kvh = kvh0 + (is_q ? 0 : item - nq - (is_v ? KH : 0));
+      const T* src =
+          is_q   ? static_cast<const T*>(p.q) + row * p.q_stride_tok + (int64_t)(kvh0 * p.G + item) * p.q_stride_head
+          : is_v ? static_cast<const T*>(p.v_new) + row * p.v_stride_tok + (int64_t)kvh * p.v_stride_head
+                 : static_cast<const T*>(p.k_new) + row * p.k_stride_tok + (int64_t)kvh * p.k_stride_head;
+      float x[E], w[E];
+      if (valid) Elem<T>::unpack(ldg16(src + lane * E), x);
+      else
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = 0.f;
+      if (norm) Elem<T>::unpack(is_q ? q_w : k_w, w);
+      qk_norm_rope_lanes<T, LANES, E>(x, w, c, s, norm, valid && !is_v, lane, p.norm_eps, style);
+      if (!valid) continue;
+      if (is_q) {
+        *reinterpret_cast<uint4*>(q_tile + item * D + lane * E) = pack16<T>(x);
+        continue;
+      }
+      if (slot < 0) continue;
+      const int64_t at = (is_v ? p.v_offset : 0) + (slot * p.Hkv + kvh) * D + lane * E;  // elements (fp8: bytes)
+      if constexpr (std::is_same<KV, Fp8E4M3>::value) {
+        if (!is_v)  // k as stored in the model's dtype, then quantised (the reference's order)
+#pragma unroll
+          for (int e = 0; e < E; ++e) x[e] = round_to<T>(x[e]);
+        store_fp8_vec<T>(static_cast<uint8_t*>(const_cast<void*>(p.cache)) + at, x, is_v ? p.v_scale : p.k_scale);
+      } else {
+        *reinterpret_cast<uint4*>(static_cast<T*>(const_cast<void*>(p.cache)) + at) = pack16<T>(x);
+      }
+    }
+    __syncthreads();
+  }
+};
 
 // The SPLIT kernels' entry (both decode kernels). With P > 1 (small batches) a CTA's time is a chain of
 // dependent loads (the row's sequence, its block table, then K/V from DRAM a few ring steps at a time), so
@@ -670,6 +756,7 @@ int launch_decode_hd(const AttnParams& p, cudaStream_t st) {
     const int code = std::is_same<T, __half>::value ? kFloat16 : kBFloat16;
     if (group_mma_applies(code, D, p.G, p.row_variant, p.cache_fp8)) return launch_group_mma_hd<T, D>(p, st);
   }
+  if (p.fuse_rope) return -1;  // decode_fuses_rope: the tensor-core fp8 kernel only
   switch (row_gmax(p.G, p.cache_fp8)) {
     case 1: return launch_row_t<T, D, 1>(p, st);
     case 2: return launch_row_t<T, D, 2>(p, st);

@@ -293,21 +293,22 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {  // an 8x8 16-
   return y;
 }
 
-// The lane's B fragments of Q^T (f16) for the G heads from h0: column tile nn's head nn * 8 + g (zero past
-// G), dims q D/4 + 4 kc + {0,1} (register 0) and {2,3} (register 1). Returns the factor the scores must be
-// multiplied by (a bf16 query's power-of-2 scaling undone; 1 for fp16).
-template <typename T, int D, int NN>
-__device__ __forceinline__ float load_q_f16(const AttnParams& p, int row, int h0, uint32_t (&qf)[NN][D / 16][2]) {
+// The lane's B fragments of Q^T (f16) for the G heads from q0 (head stride head_stride; SHARED: a shared-memory
+// tile, else global memory): column tile nn's head nn * 8 + g (zero past G), dims q D/4 + 4 kc + {0,1} (register 0)
+// and {2,3} (register 1). Returns the factor the scores must be multiplied by (a bf16 query's power-of-2 scaling
+// undone; 1 for fp16).
+template <typename T, int D, int NN, bool SHARED = false>
+__device__ __forceinline__ float load_q_f16(const T* q0, int64_t head_stride, int G, uint32_t (&qf)[NN][D / 16][2]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   uint32_t w[NN][D / 8];  // D/4 16-bit values of each head
-  const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
 #pragma unroll
   for (int nn = 0; nn < NN; ++nn) {
     const int h = nn * 8 + g;
-    const T* src = qrow + (int64_t)(h0 + h) * p.q_stride_head + q * (D / 4);
+    const T* src = q0 + (int64_t)h * head_stride + q * (D / 4);
 #pragma unroll
     for (int v = 0; v < D / 32; ++v) {
-      const uint4 x = h < p.G ? ldg16(src + v * 8) : make_uint4(0u, 0u, 0u, 0u);
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);
+      if (h < G) x = SHARED ? *reinterpret_cast<const uint4*>(src + v * 8) : ldg16(src + v * 8);
       w[nn][4 * v] = x.x; w[nn][4 * v + 1] = x.y; w[nn][4 * v + 2] = x.z; w[nn][4 * v + 3] = x.w;
     }
   }
@@ -436,10 +437,12 @@ __device__ __forceinline__ void fp8_softmax(const AttnParams& p, float (&sc)[NN]
 }
 
 // T: the query's type; KH: kv heads per CTA (2: one-partition launches only); NN: column tiles of 8 query
-// heads (1: G <= 8); CAP: soft-capping; SPLIT: P > 1
-template <typename T, int D, int KH, int NN, bool CAP = false, bool SPLIT = false>
+// heads (1: G <= 8); CAP: soft-capping; SPLIT: P > 1; FUSE: p.fuse_rope (decode.cuh's FusedRope: the CTA norms
+// and rotates its query heads into a shared tile, and writes the new token's K/V)
+template <typename T, int D, int KH, int NN, bool CAP = false, bool SPLIT = false, bool FUSE = false>
 __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnParams p) {
   static_assert(KH == 1 || !SPLIT, "the split-K merge counts one kv head per CTA");
+  static_assert(!FUSE || !CAP, "no soft-capped model fuses (decode_fuses_rope)");
   if constexpr (!SPLIT) decode_entry(p);
   using C = GroupFp8Cfg<D, KH>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, CPR = C::CPR, CPL = C::CPL;
@@ -450,6 +453,8 @@ __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnPar
   const int cols = p.Hkv / KH;
   const int row = cta_row(p, cols);  // the row kernel's launch order (decode.cuh)
   const int kvh0 = blockIdx.x % cols * KH, G = p.G;
+  FusedRope<T, Fp8E4M3, D> rope;
+  if constexpr (FUSE) rope.load(p, row);
   RowKeys keys;
   if constexpr (SPLIT) {
     if (!split_entry<Fp8E4M3, D, C::NT>(p, row, kvh0, keys)) return;
@@ -488,13 +493,26 @@ __global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnPar
     }
     commit_unless_old(which);
   };
-  ring_prologue<S, SPLIT>(issue);
+  // FUSE: the query tile ([KH * G][D], at most 16 heads: 32 D bytes of a 32 KH D-byte stage) in warp 0's last
+  // stage, which no copy fills before its first main-loop step (the prologue fills the first S - 1): no shared
+  // memory beyond the ring
+  T* q_tile = reinterpret_cast<T*>(dyn_smem + (S - 1) * C::STAGE);
+  static_assert(16 * D * 2 <= C::STAGE, "a stage holds the query tile");
+  ring_prologue<S, SPLIT>(issue, [&] {
+    if constexpr (FUSE) rope.apply(p, row, kvh0, KH, t_begin <= t_new && t_new < t_end, q_tile);
+  });
 
   uint32_t qf[KH][NN][D / 16][2];
   float sl2[KH];
+  const T* qrow = reinterpret_cast<const T*>(p.q) + (int64_t)row * p.q_stride_tok;
 #pragma unroll
-  for (int kh = 0; kh < KH; ++kh)
-    sl2[kh] = p.scale_log2 * p.k_scale * load_q_f16<T, D, NN>(p, row, (kvh0 + kh) * G, qf[kh]);
+  for (int kh = 0; kh < KH; ++kh) {
+    const float f = FUSE ? load_q_f16<T, D, NN, true>(q_tile + kh * G * D, D, G, qf[kh])
+                         : load_q_f16<T, D, NN>(qrow + (int64_t)(kvh0 + kh) * G * p.q_stride_head, p.q_stride_head, G,
+                                                qf[kh]);
+    sl2[kh] = p.scale_log2 * p.k_scale * f;
+  }
+  if constexpr (FUSE) __syncthreads();  // every warp has its queries before warp 0's first step refills the tile
 
   float o[KH][D / 16][NN][4];  // O^T: rows dims g D/8 + 2 mt + {0 (elements 0, 1), 1 (2, 3)}, columns heads 2q, 2q + 1
   float m[KH][NN][2], l[KH][NN][2];  // heads nn * 8 + 2q + h
@@ -610,38 +628,39 @@ int occupancy_group_mma_t() {
 }
 
 // The fp8 kernel's host side, as above
-template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT = false>
+template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT = false, bool FUSE = false>
 cudaError_t configure_group_fp8() {
-  static const cudaError_t e = cudaFuncSetAttribute(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT>,
+  static const cudaError_t e = cudaFuncSetAttribute(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT, FUSE>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     GroupFp8Cfg<D, KH>::SMEM);
   return e;
 }
 
-template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT>
+template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT, bool FUSE>
 int launch_group_fp8_variant(const AttnParams& p, cudaStream_t st) {
   using C = GroupFp8Cfg<D, KH>;
-  if (const cudaError_t e = configure_group_fp8<T, D, KH, NN, CAP, SPLIT>(); e != cudaSuccess) return (int)e;
+  if (const cudaError_t e = configure_group_fp8<T, D, KH, NN, CAP, SPLIT, FUSE>(); e != cudaSuccess) return (int)e;
   dim3 grid;
   if (!decode_grid(p, p.Hkv / KH, grid)) return -1;
-  return launch_pdl(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT>, grid, dim3(C::NT), C::SMEM, st, p);
+  return launch_pdl(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT, FUSE>, grid, dim3(C::NT), C::SMEM, st, p);
 }
 
 // Two kv heads per CTA where a launch has one partition, up to 8 query heads per kv head, an even number of kv
 // heads and no soft-capping (the split-K merge counts one kv head per CTA; two heads of 9-16 would spill: ptxas
 // -v; soft-capped models with 4+ query heads per kv head are rare)
-template <typename T, int D, int NN, bool CAP>
+template <typename T, int D, int NN, bool CAP, bool FUSE>
 int launch_group_fp8_heads(const AttnParams& p, cudaStream_t st) {
-  if (p.P > 1) return launch_group_fp8_variant<T, D, 1, NN, CAP, true>(p, st);
+  if (p.P > 1) return launch_group_fp8_variant<T, D, 1, NN, CAP, true, FUSE>(p, st);
   if constexpr (NN == 1 && !CAP)
-    if (p.Hkv % 2 == 0) return launch_group_fp8_variant<T, D, 2, NN, CAP, false>(p, st);
-  return launch_group_fp8_variant<T, D, 1, NN, CAP, false>(p, st);
+    if (p.Hkv % 2 == 0) return launch_group_fp8_variant<T, D, 2, NN, CAP, false, FUSE>(p, st);
+  return launch_group_fp8_variant<T, D, 1, NN, CAP, false, FUSE>(p, st);
 }
 
 template <typename T, int D, int NN>
 int launch_group_fp8_nn(const AttnParams& p, cudaStream_t st) {
-  return p.softcap_log2 > 0.f ? launch_group_fp8_heads<T, D, NN, true>(p, st)
-                              : launch_group_fp8_heads<T, D, NN, false>(p, st);
+  if (p.softcap_log2 > 0.f) return p.fuse_rope ? -1 : launch_group_fp8_heads<T, D, NN, true, false>(p, st);
+  return p.fuse_rope ? launch_group_fp8_heads<T, D, NN, false, true>(p, st)
+                     : launch_group_fp8_heads<T, D, NN, false, false>(p, st);
 }
 
 template <typename T, int D>
@@ -663,6 +682,7 @@ template <typename T, int D>
 int launch_group_mma_hd(const AttnParams& p, cudaStream_t st) {
   if constexpr (D == 64 || D == 128)
     if (p.cache_fp8) return launch_group_fp8<T, D>(p, st);
+  if (p.fuse_rope) return -1;  // decode_fuses_rope: the fp8 kernel only
   if constexpr (D == 64) return launch_group_mma<T, T, 64>(p, st);
   return -1;
 }

@@ -17,6 +17,7 @@
 
 #include "common.cuh"
 #include "launchers.h"
+#include "qk_rope.cuh"
 
 namespace pagednb {
 
@@ -25,14 +26,6 @@ namespace {
 __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
 
-// kVec floats -> one 16-byte vector of T (rounded to nearest even)
-template <typename T> __device__ __forceinline__ uint4 pack16(const float* f) {
-  if constexpr (std::is_same<T, float>::value) {
-    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
-  } else {
-    return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
-  }
-}
 template <typename T> __device__ __forceinline__ void load_vec(const T* p, float* f) {  // may alias a store
   Elem<T>::unpack(*reinterpret_cast<const uint4*>(p), f);
 }
@@ -150,23 +143,7 @@ int launch_rms_norm_dtype(const RmsNormArgs& a, cudaStream_t st) {
 // With a cache to write (a.v != nullptr), the items are the heads of q, k and v: k rows go to their slot
 // of the cache's K half after the rotary embedding, v rows to the V half as they are (slot -1: not
 // written), which saves the separate cache-write launch of every layer.
-// One group of LANES lanes per (token, head) of q and k; lane l holds the head's elements
-// [l * E, (l + 1) * E). The rotate-half partner of element j (j -/+ D/2) sits in lane l ^ (LANES/2)
-// at the same offset, one shuffle away. Per element, as torch computes it:
-//   (norm)  x = round(w * round(x * rsqrt(mean(x^2) + eps))), or round(x * rsqrt(...) * (w + offset))
-//           with the weight in float32 (NormWeight: Gemma 3's (1 + w))
-//   (rope)  out = round(round(x * cos) + round(rot * sin)),  rot = -x[j + D/2] (j < D/2) or x[j - D/2]
-template <typename T, int D>
-struct QkCfg {
-  static constexpr int VEC = Elem<T>::kVec;
-  static constexpr int LANES = (D / VEC) < 32 ? (D / VEC) : 32;
-  static constexpr int E = D / LANES;  // elements per lane
-  static constexpr int NV = E / VEC;   // 16-byte vectors per lane
-  static constexpr int THREADS = 128;
-  static constexpr int ITEMS = THREADS / LANES;  // (token, head) items per CTA
-  static_assert(LANES >= 2 && E % VEC == 0, "head_dim");
-};
-
+// One group of LANES lanes per (token, head) of q, k (and v), as qk_rope.cuh lays a head row out and computes it.
 template <typename T, int D, bool NORM>
 __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
   using C = QkCfg<T, D>;
@@ -214,30 +191,7 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
     for (int e = 0; e < E; ++e) v[e] = 0.f;
   }
 
-  if constexpr (NORM) {
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) ss = add(ss, mul(v[e], v[e]));
-#pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) ss = add(ss, __shfl_xor_sync(0xffffffffu, ss, o));
-    const float scale = rsqrtf(add(mul(ss, 1.0f / D), a.eps));  // D: a power of two, 1/D exact
-    if (rotated) {
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        float& x = v[e];
-        x = round_to<T>(a.style.in_float32 ? mul(mul(x, scale), add(wv[e], a.style.offset))
-                                           : mul(wv[e], round_to<T>(mul(x, scale))));
-      }
-    }
-  }
-
-  float rot[E];
-  const bool low_half = lane < LANES / 2;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const float other = __shfl_xor_sync(0xffffffffu, v[e], LANES / 2);
-    rot[e] = low_half ? -other : other;
-  }
+  qk_norm_rope_lanes<T, LANES, E>(v, wv, c, s, NORM, rotated, lane, a.eps, a.style);
   if (!valid) return;
   // the element offset of this lane's part of the row in the cache (an fp8 cache: 1 byte per element,
   // stored fp8(x / scale) 8 bytes per 16-byte vector of T)
@@ -255,10 +209,7 @@ __global__ void __launch_bounds__(128) qk_norm_rope_kernel(const QkRopeArgs a) {
   }
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    float o[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e)
-      o[e] = add(round_to<T>(mul(v[j * VEC + e], c[j * VEC + e])), round_to<T>(mul(rot[j * VEC + e], s[j * VEC + e])));
+    float* o = v + j * VEC;
     store_vec(p + j * VEC, o);
     if (cached != nullptr) store_vec(cached + j * VEC, o);
     if (cached8 != nullptr) {  // k as stored in the model's dtype, then quantised (the reference's order)

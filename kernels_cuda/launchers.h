@@ -49,6 +49,22 @@ struct AttnParams {
   int early_keys;            // decode kernels: 1 = row lookup, row_order and the keys of earlier steps read before
                              // griddepcontrol.wait (decode.cuh, Keys); 0 = after it (the launch right behind the
                              // step's sort, or PAGEDNB_EARLY_KEYS=0)
+  // fuse_rope 1: the step's q/k RMSNorm + rotary embedding and K/V cache write happen in the decode kernel's
+  // prologue (decode.cuh, FusedRope) instead of a launch of their own: a decode-only step (row r is token r) whose
+  // q holds the raw projections; only where decode_fuses_rope says so. The fields below are its inputs, as
+  // QkRopeArgs names them.
+  int fuse_rope;
+  const void* k_new;         // [num_tokens, Hkv, D] raw k and v rows, last dim dense, 16-byte aligned strides
+  const void* v_new;
+  int64_t k_stride_tok, k_stride_head, v_stride_tok, v_stride_head;
+  const void* rope_cos;      // [num_tokens, D] rows at token stride cos_sin_stride (rope_sin the same)
+  const void* rope_sin;
+  int64_t cos_sin_stride;
+  const void* q_norm_weight; // [D] each; both nullptr: the rotary embedding only
+  const void* k_norm_weight;
+  float norm_eps, norm_offset;  // norm_offset, norm_in_float32: the norms' NormWeight
+  int norm_in_float32;
+  const int64_t* slots;      // [num_tokens] the cache slot of each row's new token (-1: not written)
 };
 
 // The tensor-core decode kernel (decode_group_mma.cuh) serves the rows of 16-bit models with 4 to 16 query
@@ -63,6 +79,13 @@ inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant, i
   const int min_group = row_variant == 4 && cache_fp8 && head_dim == 128 ? 2 : 4;
   return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= min_group && G <= 16 &&
          (head_dim == 64 || (cache_fp8 && head_dim == 128));
+}
+
+// Whether a decode launch can take the step's q/k norm + rotary embedding and cache write (AttnParams.fuse_rope):
+// the tensor-core kernel over an fp8 cache (the fp8 target's path), without soft-capping. Its prologue takes the place
+// of qk_norm_rope's launch, which cost a launch and its drain per layer (benchmarks/NOTES.md, issue 19's 15th round).
+inline bool decode_fuses_rope(int dtype, int head_dim, int G, int row_variant, int cache_fp8, int softcap) {
+  return cache_fp8 && !softcap && group_mma_applies(dtype, head_dim, G, row_variant, cache_fp8);
 }
 
 // Whether the launchers ask for programmatic dependent launch (common.cuh's launch_pdl): the current device is

@@ -68,7 +68,7 @@ def tiny_config(arch: str, **overrides):
     if arch == "qwen2":
         return Qwen2Config(**common)
     if arch == "qwen3":
-        return Qwen3Config(head_dim=16, **common)
+        return Qwen3Config(**{"head_dim": 16, **common})
     if arch == "mistral":
         common.setdefault("sliding_window", 24)
         return MistralConfig(**common)

@@ -72,3 +72,26 @@ class AttentionBackend(ABC):
         attn_logit_softcapping): each scaled score s becomes c * tanh(s / c) before the softmax. An fp8
         cache's keys and values are read as stored * k_scale and stored * v_scale.
         """
+
+    def attend_rope(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
+                    k_scale: float, v_scale: float, rope: RopeInputs) -> torch.Tensor | None:
+        """attend() on the raw projections: the step's per-head q/k RMSNorm and rotary embedding (rope) and the
+        write of its K/V into the cache happen inside the attention launch (as model/fused_ops.py's
+        qk_norm_rope_write_kv would do them, with the same bits). None where the backend cannot do that for this
+        step: the caller then runs those ops and attend() itself. query, key and value are left as they are."""
+        return None
+
+
+@dataclass(frozen=True)
+class RopeInputs:
+    """What the q/k norm and rotary embedding of a step take (model/fused_ops.py's qk_norm_rope): cos, sin rows
+    per token ([N, 1, D] or [N, D]); the per-head norm weights [D] (both None: no norm), eps, and weight_offset
+    (None: Llama's rounding; a number: the weight plus it in float32)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    weight_offset: float | None

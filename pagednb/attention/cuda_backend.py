@@ -22,6 +22,9 @@ k_scale and v_scale as plain kernel arguments (captured by the decode CUDA graph
 4-16 query heads per kv head take the tensor-core kernel at head_dim 64 and 128, others the row kernel
 (16 fp8 values per 16-byte load; row variant 3 pairs kv heads per CTA at head_dim 128, <= 2 query heads per kv head).
 Under a float32 model an fp8 cache runs on the reference.
+`attend_rope` serves a decode-only step over an fp8 cache on the tensor-core kernel with the step's q/k norm, rotary
+embedding and cache write done in the decode CTAs' prologue (kernels_cuda/decode.cuh, FusedRope) instead of the
+model's qk_norm_rope launch, where that measured faster (_fusion_pays); anything else it declines (None).
 Anything the kernels do not cover (another dtype, head_dim or block size) goes to the reference.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ import warnings
 
 import torch
 
-from pagednb.attention.backend import AttentionBackend, AttentionMetadata
+from pagednb.attention.backend import AttentionBackend, AttentionMetadata, RopeInputs
 from pagednb.attention.kv_quant import is_fp8
 from pagednb.attention.torch_ref import TorchReferenceBackend
 from pagednb.kernels import AttnParams, check_status, current_stream, dtype_codes, head_dims, load_error, load_kernels
@@ -49,6 +52,9 @@ ORDER_MIN_ROWS = 32
 # standard workload 5.9% faster than the row kernel (benchmarks/NOTES.md, issue 19, ninth round).
 DEFAULT_ROW_VARIANT = 4
 ROW_VARIANTS = range(5)
+# attend_rope fuses the q/k norm + RoPE + cache write into one-partition decode launches of at most this many waves
+# of resident CTAs (_fusion_pays): over more, each CTA's prologue costs more than the separate launch it saves.
+DEFAULT_FUSE_ROPE_WAVES = 1.0
 # The decode kernels' grid holds rows in blocks of this many (gridDim.y's limit; decode.cuh's kMaxGridRows): a sorted
 # launch fits one block, and split-K counters cover whole blocks.
 GRID_ROWS = 65535
@@ -67,11 +73,25 @@ def row_variant_from_env() -> int:
     return int(raw)
 
 
+def _waves_from_env() -> float:
+    """PAGEDNB_FUSE_ROPE_WAVES (an A/B knob of benchmarks/whole_run_ab.py), else DEFAULT_FUSE_ROPE_WAVES."""
+    raw = os.environ.get("PAGEDNB_FUSE_ROPE_WAVES", "").strip()
+    if not raw:
+        return DEFAULT_FUSE_ROPE_WAVES
+    try:
+        waves = float(raw)
+    except ValueError:
+        waves = -1.0
+    if not waves >= 0:
+        raise ValueError(f"PAGEDNB_FUSE_ROPE_WAVES must be a number of waves >= 0, got {raw!r}")
+    return waves
+
+
 class _StepPlan:
     """What the kernels need from one step's metadata, computed once and shared by every layer."""
 
     __slots__ = ("rows", "num_decode", "has_chunk", "max_query_len", "max_seq_len", "num_seqs", "qsl",
-                 "seq_lens", "block_tables", "row_plans")
+                 "seq_lens", "block_tables", "row_plans", "order")
 
     def __init__(self, md: AttentionMetadata) -> None:
         starts = md.query_start_loc_cpu
@@ -84,12 +104,16 @@ class _StepPlan:
         self.qsl = _int32(md.query_start_loc)
         self.seq_lens = _int32(md.seq_lens)
         self.block_tables = _tables(md.block_tables)
-        self.row_plans: dict = {}
+        self.row_plans: dict = {}  # split plans by launch configuration: (partitions, partition tokens, head groups)
+        self.order: torch.Tensor | None | object = _UNSORTED  # the decode launch order, once sorted (_launch_order)
 
     def with_block_tables(self, block_tables: torch.Tensor) -> _StepPlan:
         plan = copy.copy(self)  # row plans shared: they depend on the batch, not on the tables
         plan.block_tables = _tables(block_tables)
         return plan
+
+
+_UNSORTED = object()
 
 
 def _tables(block_tables: torch.Tensor) -> torch.Tensor:
@@ -108,6 +132,31 @@ def _plan_of(md: AttentionMetadata) -> _StepPlan:
     if base is None:
         base = md.base._cuda_plan = _StepPlan(md.base)
     return base.with_block_tables(md.block_tables)
+
+
+def _rows_fit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rope: RopeInputs) -> bool:
+    """Whether a fused decode launch can read these rows as 16-byte vectors: q, k, v [N, heads, D] with dense last
+    dims, cos/sin one dense row of D per token, norm weights [D] of the query's dtype; every row start and stride
+    16-byte aligned (decode.cuh's FusedRope)."""
+    n, _, d = query.shape
+    tensors = (query, key, value)
+    if any(t.dim() != 3 or t.shape[0] != n or t.shape[2] != d or t.stride(2) != 1 or t.dtype != query.dtype
+           for t in tensors) or key.shape[1] != value.shape[1]:
+        return False
+    for t in (rope.cos, rope.sin):
+        if (t.dtype != query.dtype or t.device != query.device or t.shape[0] != n or t.shape[-1] != d
+                or t.numel() != n * d or t.stride(-1) != 1 or t.stride(0) != rope.cos.stride(0)):
+            return False
+    weights = (rope.q_weight, rope.k_weight)
+    if (weights[0] is None) != (weights[1] is None):
+        return False
+    if weights[0] is not None and any(w.dtype != query.dtype or w.shape != (d,) or w.stride(0) != 1
+                                      or w.device != query.device for w in weights):
+        return False
+    es = query.element_size()
+    ptrs = [t.data_ptr() for t in (*tensors, rope.cos, rope.sin)] + [w.data_ptr() for w in weights if w is not None]
+    strides = [t.stride(i) * es for t in tensors for i in (0, 1)] + [rope.cos.stride(0) * es]
+    return all(x % 16 == 0 for x in (*ptrs, *strides))
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -144,6 +193,14 @@ class CudaPagedBackend(AttentionBackend):
         # norm + RoPE + cache write kernel before them runs (decode.cuh, Keys; PAGEDNB_EARLY_KEYS=0: after it,
         # for A/B runs of a whole engine)
         self.early_keys = os.environ.get("PAGEDNB_EARLY_KEYS", "1") != "0"
+        # decode-only steps on the kernel that fuses do the q/k norm + RoPE + cache write in the decode launch
+        # (attend_rope; PAGEDNB_FUSE_ROPE=0: a launch of their own, for A/B runs of a whole engine)
+        self.fuse_rope = os.environ.get("PAGEDNB_FUSE_ROPE", "1") != "0"
+        # where it fuses (_fusion_pays): one-partition launches of up to this many waves of resident CTAs, and split
+        # launches if fuse_rope_split (PAGEDNB_FUSE_ROPE_WAVES / PAGEDNB_FUSE_ROPE_SPLIT: A/B knobs)
+        self.fuse_rope_waves = _waves_from_env()
+        self.fuse_rope_split = os.environ.get("PAGEDNB_FUSE_ROPE_SPLIT", "0") != "0"
+        self._waves: dict[tuple, int] = {}
         # A/B knobs of benchmarks/kernels.py --only workload (None: the planner's choice): one-partition launches
         # (large batches) split into partitions of split_tokens where the plan's longest row is longer; split
         # launches (small batches) in partitions of tail_tokens
@@ -217,7 +274,93 @@ class CudaPagedBackend(AttentionBackend):
                scale: float, sliding_window: int | None, softcap: float | None = None,
                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
-        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        reason = self._attend_reason(query, kv_cache)
+        if reason is not None:
+            return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window, softcap,
+                                                 k_scale, v_scale)
+        plan = self._plan(metadata)
+        out = self._output(query, plan)
+        if plan.rows == 0 or plan.num_seqs == 0:
+            return out
+        vec = 16 // query.element_size()
+        if (query.stride(-1) != 1 or query.stride(0) % vec or query.stride(1) % vec or query.data_ptr() % 16):
+            query = query.contiguous()
+        p = self._params(query, kv_cache, plan, scale, sliding_window, softcap, k_scale, v_scale)
+        p.out = out.data_ptr()
+        rows_on_cuda_cores = query.dtype == torch.float32 or not plan.has_chunk
+        if rows_on_cuda_cores or plan.num_decode:
+            self._launch_rows(p, plan, query, decode_only=0 if rows_on_cuda_cores else 1)
+        if not rows_on_cuda_cores:
+            p.max_query_len = plan.max_query_len
+            self._check(self._lib.pagednb_prefill_attention(self._dtype_codes[query.dtype], head_dim,
+                                                            ctypes.byref(p), current_stream(query)),
+                        "prefill attention")
+        return out
+
+    def attend_rope(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
+                    k_scale: float, v_scale: float, rope: RopeInputs) -> torch.Tensor | None:
+        """Decode-only steps on the decode kernel that fuses (launchers.h decode_fuses_rope: the tensor-core kernel
+        over an fp8 cache): each decode CTA norms and rotates its query heads itself and writes the new token's K/V
+        into the cache before reading it (kernels_cuda/decode.cuh, FusedRope), which saves qk_norm_rope's launch per
+        layer. None for anything else (a prefill chunk in the step, another kernel, unaligned rows,
+        PAGEDNB_FUSE_ROPE=0)."""
+        if not self.fuse_rope or not is_fp8(kv_cache.dtype):  # (the cheap refusals first: every layer asks)
+            return None
+        plan = self._plan(metadata)
+        if plan.has_chunk or plan.rows != plan.num_seqs or plan.rows == 0:
+            return None
+        if self._attend_reason(query, kv_cache) is not None:
+            return None
+        num_heads, head_dim = query.shape[1:]
+        group = num_heads // kv_cache.shape[3]
+        dtype = self._dtype_codes[query.dtype]
+        if not self._lib.pagednb_decode_fuses_rope(dtype, head_dim, group, self.row_variant, 1, int(bool(softcap))):
+            return None
+        slots = metadata.slot_mapping
+        if (not _rows_fit(query, key, value, rope) or slots.dtype != torch.int64 or not slots.is_contiguous()
+                or slots.shape[0] < plan.rows):
+            return None
+        p = self._params(query, kv_cache, plan, scale, sliding_window, softcap, k_scale, v_scale)
+        if not self._fusion_pays(dtype, head_dim, p, self._split_plan(p, plan, query, 0)[0], query.device):
+            return None
+        out = self._output(query, plan)
+        p.out = out.data_ptr()
+        p.fuse_rope = 1
+        p.k_new, p.k_stride_tok, p.k_stride_head = key.data_ptr(), key.stride(0), key.stride(1)
+        p.v_new, p.v_stride_tok, p.v_stride_head = value.data_ptr(), value.stride(0), value.stride(1)
+        p.rope_cos, p.rope_sin, p.cos_sin_stride = rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.stride(0)
+        if rope.q_weight is not None:
+            p.q_norm_weight, p.k_norm_weight = rope.q_weight.data_ptr(), rope.k_weight.data_ptr()
+        p.norm_eps = rope.eps
+        p.norm_offset, p.norm_in_float32 = (0.0, 0) if rope.weight_offset is None else (rope.weight_offset, 1)
+        p.slots = slots.data_ptr()
+        self._launch_rows(p, plan, query, decode_only=0)
+        return out
+
+    def _fusion_pays(self, dtype: int, head_dim: int, p: AttnParams, partitions: int, device: torch.device) -> bool:
+        """Where the fused launch measured faster than the separate q/k norm + RoPE launch and decode launch: a
+        one-partition launch of at most fuse_rope_waves waves of CTAs (split launches only with fuse_rope_split).
+        Each fused CTA does its prologue after its wait, where the separate kernel's work ran beside the decode
+        CTAs' early key copies, so over many waves the prologues cost more than the launch they save
+        (benchmarks/NOTES.md, issue 19's fifteenth round)."""
+        if partitions > 1:
+            return self.fuse_rope_split
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        key = (dtype, head_dim, p.G, p.row_variant, idx)
+        wave = self._waves.get(key)
+        if wave is None:  # resident CTAs (of one kv head each) on the whole GPU
+            sms = self._num_sms.get(idx)
+            if sms is None:
+                sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+            wave = self._waves[key] = sms * self._lib.pagednb_decode_resident_ctas(dtype, head_dim, p.G,
+                                                                                   p.row_variant, p.cache_fp8)
+        return p.num_rows * p.Hkv <= self.fuse_rope_waves * wave
+
+    def _attend_reason(self, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+        """Why attend must go to the reference for these inputs (None: the kernels serve them)."""
+        num_heads, head_dim = query.shape[1:]
+        block_size, num_kv_heads = kv_cache.shape[2:4]
         fp8 = is_fp8(kv_cache.dtype)
         reason = self.unsupported_reason(query.dtype, head_dim, block_size, query.device)
         if reason is None and fp8:
@@ -227,71 +370,83 @@ class CudaPagedBackend(AttentionBackend):
             reason = "a cache whose dtype differs from the query's, or a non-contiguous cache"
         if reason is None and num_heads % num_kv_heads:
             reason = f"{num_heads} query heads over {num_kv_heads} kv heads"
-        if reason is not None:
-            return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window, softcap,
-                                                 k_scale, v_scale)
+        return reason
 
+    @staticmethod
+    def _plan(metadata: AttentionMetadata) -> _StepPlan:
         plan = getattr(metadata, "_cuda_plan", None)
         if plan is None:
             plan = _plan_of(metadata)
             metadata._cuda_plan = plan  # the metadata is built once per step (and layer group), shared by its layers
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-        if plan.rows < num_tokens:
-            out[plan.rows:].zero_()  # padding rows past the last sequence, as the reference does
-        if plan.rows == 0 or plan.num_seqs == 0:
-            return out
-        vec = 16 // query.element_size()
-        if (query.stride(-1) != 1 or query.stride(0) % vec or query.stride(1) % vec or query.data_ptr() % 16):
-            query = query.contiguous()
+        return plan
 
-        dtype = self._dtype_codes[query.dtype]
-        window = int(sliding_window) if sliding_window else 0
+    @staticmethod
+    def _output(query: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if plan.rows < query.shape[0]:
+            out[plan.rows:].zero_()  # padding rows past the last sequence, as the reference does
+        return out
+
+    def _params(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float,
+                sliding_window: int | None, softcap: float | None, k_scale: float, v_scale: float) -> AttnParams:
+        """The kernels' arguments for this layer and step, but for the output and the decode launch's split plan."""
+        num_heads, head_dim = query.shape[1:]
+        block_size, num_kv_heads = kv_cache.shape[2:4]
+        fp8 = is_fp8(kv_cache.dtype)
         p = AttnParams()
         p.q, p.q_stride_tok, p.q_stride_head = query.data_ptr(), query.stride(0), query.stride(1)
-        p.cache, p.v_offset, p.out = kv_cache.data_ptr(), kv_cache[0].numel(), out.data_ptr()
+        p.cache, p.v_offset = kv_cache.data_ptr(), kv_cache[0].numel()
         p.qsl, p.seq_lens, p.block_tables = plan.qsl.data_ptr(), plan.seq_lens.data_ptr(), plan.block_tables.data_ptr()
         p.bt_stride = plan.block_tables.stride(0) if plan.block_tables.dim() == 2 else 0
         p.num_seqs, p.num_rows = plan.num_seqs, plan.rows
         p.H, p.Hkv, p.G = num_heads, num_kv_heads, num_heads // num_kv_heads
         p.bs_log2 = block_size.bit_length() - 1
-        p.window = window
+        p.window = int(sliding_window) if sliding_window else 0
         p.scale_log2 = scale * LOG2E
         p.softcap_log2 = softcap * LOG2E if softcap else 0.0
         p.row_variant = self.row_variant
         p.cache_fp8 = int(fp8)
         p.k_scale, p.v_scale = (k_scale, v_scale) if fp8 else (1.0, 1.0)
-        stream = current_stream(query)
+        return p
 
-        rows_on_cuda_cores = query.dtype == torch.float32 or not plan.has_chunk
-        if rows_on_cuda_cores or plan.num_decode:
-            decode_only = 0 if rows_on_cuda_cores else 1
-            key = (dtype, head_dim, p.G, num_kv_heads, window, decode_only, self.row_variant, fp8)
-            rp = plan.row_plans.get(key)
-            sorted_now = False  # the sort runs right before this launch: its CTAs read the order after their wait
-            if rp is None:
-                rp = self._row_plan(dtype, head_dim, p.G, num_kv_heads, self.row_variant, fp8,
-                                    plan.rows if decode_only == 0 else plan.num_decode,
-                                    min(plan.max_seq_len, window) if window else plan.max_seq_len, query.device)
-                rp = (*rp, self._row_order(plan))
-                plan.row_plans[key] = rp
-                sorted_now = rp[-1] is not None
-            p.P, p.part_size, p.head_groups, order = rp
-            if order is not None:
-                p.row_order = order.data_ptr()
-            p.decode_only = decode_only
-            p.early_keys = 0 if sorted_now else int(self.early_keys)
-            if p.P > 1:
-                part_o = torch.empty((plan.rows, num_heads, p.P, head_dim), dtype=torch.float32, device=query.device)
-                part_ml = torch.empty((plan.rows, num_heads, p.P, 2), dtype=torch.float32, device=query.device)
-                p.part_o, p.part_ml = part_o.data_ptr(), part_ml.data_ptr()
-                grid_rows = plan.rows if plan.rows <= GRID_ROWS else -(-plan.rows // GRID_ROWS) * GRID_ROWS
-                p.part_count = self._counters(query.device, grid_rows * num_kv_heads * p.head_groups).data_ptr()
-            self._check(self._lib.pagednb_row_attention(dtype, head_dim, ctypes.byref(p), stream), "row attention")
-        if not rows_on_cuda_cores:
-            p.max_query_len = plan.max_query_len
-            self._check(self._lib.pagednb_prefill_attention(dtype, head_dim, ctypes.byref(p), stream),
-                        "prefill attention")
-        return out
+    def _split_plan(self, p: AttnParams, plan: _StepPlan, query: torch.Tensor,
+                    decode_only: int) -> tuple[int, int, int]:
+        """(partitions, partition tokens, head groups) of this layer's decode launch, planned once per step."""
+        head_dim = query.shape[2]
+        dtype, fp8 = self._dtype_codes[query.dtype], bool(p.cache_fp8)
+        key = (dtype, head_dim, p.G, p.Hkv, p.window, decode_only, self.row_variant, fp8)
+        split = plan.row_plans.get(key)
+        if split is None:
+            split = plan.row_plans[key] = self._row_plan(
+                dtype, head_dim, p.G, p.Hkv, self.row_variant, fp8, plan.rows if decode_only == 0 else plan.num_decode,
+                min(plan.max_seq_len, p.window) if p.window else plan.max_seq_len, query.device)
+        return split
+
+    def _launch_order(self, plan: _StepPlan) -> tuple[torch.Tensor | None, bool]:
+        """The step's decode launch order (_row_order, sorted once per step) and whether the sort is launched now,
+        right before this launch (then its CTAs must read the order after their wait)."""
+        if plan.order is not _UNSORTED:
+            return plan.order, False
+        plan.order = self._row_order(plan)
+        return plan.order, plan.order is not None
+
+    def _launch_rows(self, p: AttnParams, plan: _StepPlan, query: torch.Tensor, decode_only: int) -> None:
+        """The decode launch (row kernel or tensor-core decode kernel) of p, with its split plan and launch order."""
+        num_heads, head_dim = query.shape[1:]
+        p.P, p.part_size, p.head_groups = self._split_plan(p, plan, query, decode_only)
+        order, sorted_now = self._launch_order(plan)
+        if order is not None:
+            p.row_order = order.data_ptr()
+        p.decode_only = decode_only
+        p.early_keys = 0 if sorted_now else int(self.early_keys)
+        if p.P > 1:
+            part_o = torch.empty((plan.rows, num_heads, p.P, head_dim), dtype=torch.float32, device=query.device)
+            part_ml = torch.empty((plan.rows, num_heads, p.P, 2), dtype=torch.float32, device=query.device)
+            p.part_o, p.part_ml = part_o.data_ptr(), part_ml.data_ptr()
+            grid_rows = plan.rows if plan.rows <= GRID_ROWS else -(-plan.rows // GRID_ROWS) * GRID_ROWS
+            p.part_count = self._counters(query.device, grid_rows * p.Hkv * p.head_groups).data_ptr()
+        self._check(self._lib.pagednb_row_attention(self._dtype_codes[query.dtype], head_dim, ctypes.byref(p),
+                                                    current_stream(query)), "row attention")
 
     def _row_plan(self, dtype: int, head_dim: int, group: int, num_kv_heads: int, variant: int, fp8: bool,
                   rows: int, range_max: int, device: torch.device) -> tuple[int, int, int]:

@@ -22,6 +22,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # attention (cuda_backend.py)
     "pagednb_row_plan": ([_I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _IP, _IP, _IP], _I32),
     "pagednb_decode_tensor_cores": ([_I32, _I32, _I32, _I32, _I32], _I32),
+    "pagednb_decode_fuses_rope": ([_I32, _I32, _I32, _I32, _I32, _I32], _I32),
+    "pagednb_decode_resident_ctas": ([_I32, _I32, _I32, _I32, _I32], _I32),
     "pagednb_row_attention": ([_I32, _I32, _VP, _VP], _I32),
     "pagednb_prefill_attention": ([_I32, _I32, _VP, _VP], _I32),
     "pagednb_prefill_occupancy": ([_I32, _I32], _I32),
@@ -110,4 +112,9 @@ class AttnParams(ctypes.Structure):
         ("decode_only", _I32), ("max_query_len", _I32), ("max_tiles", _I32),
         ("scale_log2", _F32), ("row_variant", _I32), ("softcap_log2", _F32),
         ("cache_fp8", _I32), ("k_scale", _F32), ("v_scale", _F32), ("early_keys", _I32),
+        ("fuse_rope", _I32), ("k_new", _VP), ("v_new", _VP),
+        ("k_stride_tok", _I64), ("k_stride_head", _I64), ("v_stride_tok", _I64), ("v_stride_head", _I64),
+        ("rope_cos", _VP), ("rope_sin", _VP), ("cos_sin_stride", _I64),
+        ("q_norm_weight", _VP), ("k_norm_weight", _VP), ("norm_eps", _F32), ("norm_offset", _F32),
+        ("norm_in_float32", _I32), ("slots", _VP),
     ]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from pagednb.attention.backend import AttentionBackend, AttentionMetadata
-from pagednb.model.fused_ops import qk_norm_rope, qk_norm_rope_write_kv
+from pagednb.attention.backend import AttentionBackend, AttentionMetadata, RopeInputs
+from pagednb.model.fused_ops import fused_ops_enabled, qk_norm_rope, qk_norm_rope_write_kv
 from pagednb.model.layers import GatedMLP, MergedLinear, RMSNorm, ScaledEmbedding
 from pagednb.model.moe import MoeConfig, SparseMoeBlock, mixtral_moe, qwen3_moe
 from pagednb.model.rotary import RotaryEmbedding
@@ -176,18 +176,25 @@ class Attention(nn.Module):
         per_head = self.qk_norm == "per_head"
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else (None, None, 1e-6)
         offset = self.q_norm.weight_offset if per_head else None
-        # on a GPU with pagednb's kernels: one launch, in place in the qkv output, that also writes the
-        # step's K/V into the cache; otherwise (or with partial rotary) the ops one by one and the backend's
-        # own cache write
         kv_scales = (self.k_scale, self.v_scale)
-        fused = (qk_norm_rope_write_kv(q, k, v, *rope, *norm, kv_cache, metadata.slot_mapping, weight_offset=offset,
-                                       kv_scales=kv_scales) if self.backend.name == "cuda" else None)
-        if fused is not None:
-            q, k = fused
-        else:
-            q, k = qk_norm_rope(q, k, *rope, *norm, weight_offset=offset)
-            self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, *kv_scales)
-        out = self.backend.attend(q, kv_cache, metadata, self.scale, self.sliding_window, self.softcap, *kv_scales)
+        attention = (self.scale, self.sliding_window, self.softcap, *kv_scales)
+        # where the fused ops run and the backend can (a decode-only step on the kernel that fuses): the norm,
+        # the rotary embedding and the cache write inside the attention launch
+        out = (self.backend.attend_rope(q, k, v, kv_cache, metadata, *attention, RopeInputs(*rope, *norm, offset))
+               if fused_ops_enabled(q) else None)
+        if out is None:
+            # on a GPU with pagednb's kernels: one launch, in place in the qkv output, that also writes the
+            # step's K/V into the cache; otherwise (or with partial rotary) the ops one by one and the backend's
+            # own cache write
+            fused = (qk_norm_rope_write_kv(q, k, v, *rope, *norm, kv_cache, metadata.slot_mapping,
+                                           weight_offset=offset, kv_scales=kv_scales)
+                     if self.backend.name == "cuda" else None)
+            if fused is not None:
+                q, k = fused
+            else:
+                q, k = qk_norm_rope(q, k, *rope, *norm, weight_offset=offset)
+                self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping, *kv_scales)
+            out = self.backend.attend(q, kv_cache, metadata, *attention)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

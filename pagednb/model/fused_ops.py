@@ -47,6 +47,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return rms_norm_reference(x, weight, eps, residual, weight_offset)
 
 
+def fused_ops_enabled(x: torch.Tensor) -> bool:
+    """Whether ops on x run on pagednb's fused kernels (a GPU tensor, no autograd graph, PAGEDNB_FUSED_OPS not 0,
+    the kernels built): an attention backend's fused prologue (attend_rope) follows the same switch."""
+    return _kernels_for(x) is not None
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, *, weight_offset: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
