@@ -91,7 +91,7 @@ class _StepPlan:
     """What the kernels need from one step's metadata, computed once and shared by every layer."""
 
     __slots__ = ("rows", "num_decode", "has_chunk", "max_query_len", "max_seq_len", "num_seqs", "qsl",
-                 "seq_lens", "block_tables", "row_plans", "order")
+                 "seq_lens", "block_tables", "row_plans", "order", "fusions")
 
     def __init__(self, md: AttentionMetadata) -> None:
         starts = md.query_start_loc_cpu
@@ -106,6 +106,7 @@ class _StepPlan:
         self.block_tables = _tables(md.block_tables)
         self.row_plans: dict = {}  # split plans by launch configuration: (partitions, partition tokens, head groups)
         self.order: torch.Tensor | None | object = _UNSORTED  # the decode launch order, once sorted (_launch_order)
+        self.fusions: dict = {}  # attend_rope's decisions by layer configuration: every layer of the step asks
 
     def with_block_tables(self, block_tables: torch.Tensor) -> _StepPlan:
         plan = copy.copy(self)  # row plans shared: they depend on the batch, not on the tables
@@ -273,7 +274,7 @@ class CudaPagedBackend(AttentionBackend):
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                scale: float, sliding_window: int | None, softcap: float | None = None,
                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = query.shape
+        head_dim = query.shape[2]
         reason = self._attend_reason(query, kv_cache)
         if reason is not None:
             return self._fallback(reason).attend(query, kv_cache, metadata, scale, sliding_window, softcap,
@@ -310,20 +311,20 @@ class CudaPagedBackend(AttentionBackend):
         plan = self._plan(metadata)
         if plan.has_chunk or plan.rows != plan.num_seqs or plan.rows == 0:
             return None
-        if self._attend_reason(query, kv_cache) is not None:
-            return None
-        num_heads, head_dim = query.shape[1:]
-        group = num_heads // kv_cache.shape[3]
-        dtype = self._dtype_codes[query.dtype]
-        if not self._lib.pagednb_decode_fuses_rope(dtype, head_dim, group, self.row_variant, 1, int(bool(softcap))):
+        layer = (query.dtype, query.shape[1:], kv_cache.shape[2:], sliding_window, bool(softcap), self.row_variant,
+                 self.fuse_rope_waves, self.fuse_rope_split)
+        fuses = plan.fusions.get(layer)
+        if fuses is False:  # decided for an earlier layer of the step
             return None
         slots = metadata.slot_mapping
         if (not _rows_fit(query, key, value, rope) or slots.dtype != torch.int64 or not slots.is_contiguous()
                 or slots.shape[0] < plan.rows):
             return None
         p = self._params(query, kv_cache, plan, scale, sliding_window, softcap, k_scale, v_scale)
-        if not self._fusion_pays(dtype, head_dim, p, self._split_plan(p, plan, query, 0)[0], query.device):
-            return None
+        if fuses is None:
+            fuses = plan.fusions[layer] = self._fuses(query, kv_cache, p, plan, bool(softcap))
+            if not fuses:
+                return None
         out = self._output(query, plan)
         p.out = out.data_ptr()
         p.fuse_rope = 1
@@ -337,6 +338,16 @@ class CudaPagedBackend(AttentionBackend):
         p.slots = slots.data_ptr()
         self._launch_rows(p, plan, query, decode_only=0)
         return out
+
+    def _fuses(self, query: torch.Tensor, kv_cache: torch.Tensor, p: AttnParams, plan: _StepPlan,
+               softcapped: bool) -> bool:
+        """Whether this step's layers of this configuration take the fused launch: the kernels serve them, the decode
+        kernel fuses, and the policy says it pays."""
+        head_dim = query.shape[2]
+        dtype = self._dtype_codes[query.dtype]
+        return (self._attend_reason(query, kv_cache) is None
+                and bool(self._lib.pagednb_decode_fuses_rope(dtype, head_dim, p.G, self.row_variant, 1, int(softcapped)))
+                and self._fusion_pays(dtype, head_dim, p, self._split_plan(p, plan, query, 0)[0], query.device))
 
     def _fusion_pays(self, dtype: int, head_dim: int, p: AttnParams, partitions: int, device: torch.device) -> bool:
         """Where the fused launch measured faster than the separate q/k norm + RoPE launch and decode launch: a
