@@ -181,7 +181,7 @@ class Attention(nn.Module):
         # where the fused ops run and the backend can (a decode-only step on the kernel that fuses): the norm,
         # the rotary embedding and the cache write inside the attention launch
         out = (self.backend.attend_rope(q, k, v, kv_cache, metadata, *attention, RopeInputs(*rope, *norm, offset))
-               if fused_ops_enabled(q) else None)
+               if fused_ops_enabled(q, k, v, *norm[:2]) else None)
         if out is None:
             # on a GPU with pagednb's kernels: one launch, in place in the qkv output, that also writes the
             # step's K/V into the cache; otherwise (or with partial rotary) the ops one by one and the backend's

@@ -47,10 +47,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return rms_norm_reference(x, weight, eps, residual, weight_offset)
 
 
-def fused_ops_enabled(x: torch.Tensor) -> bool:
-    """Whether ops on x run on pagednb's fused kernels (a GPU tensor, no autograd graph, PAGEDNB_FUSED_OPS not 0,
-    the kernels built): an attention backend's fused prologue (attend_rope) follows the same switch."""
-    return _kernels_for(x) is not None
+def fused_ops_enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether ops on x (and others) run on pagednb's fused kernels (a GPU tensor, no autograd graph,
+    PAGEDNB_FUSED_OPS not 0, the kernels built): an attention backend's fused prologue (attend_rope) follows the
+    same switch as qk_norm_rope."""
+    return _kernels_for(x, *others) is not None
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
