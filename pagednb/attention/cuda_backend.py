@@ -40,6 +40,7 @@ from pagednb.attention.backend import AttentionBackend, AttentionMetadata, RopeI
 from pagednb.attention.kv_quant import is_fp8
 from pagednb.attention.torch_ref import TorchReferenceBackend
 from pagednb.kernels import AttnParams, check_status, current_stream, dtype_codes, head_dims, load_error, load_kernels
+from pagednb.kernels.qk_rope_rows import qk_rope_rows_fit
 
 LOG2E = 1.4426950408889634
 # Decode steps of at least this many rows launch their rows longest first (row and tensor-core kernels; one device
@@ -133,31 +134,6 @@ def _plan_of(md: AttentionMetadata) -> _StepPlan:
     if base is None:
         base = md.base._cuda_plan = _StepPlan(md.base)
     return base.with_block_tables(md.block_tables)
-
-
-def _rows_fit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rope: RopeInputs) -> bool:
-    """Whether a fused decode launch can read these rows as 16-byte vectors: q, k, v [N, heads, D] with dense last
-    dims, cos/sin one dense row of D per token, norm weights [D] of the query's dtype; every row start and stride
-    16-byte aligned (decode.cuh's FusedRope)."""
-    n, _, d = query.shape
-    tensors = (query, key, value)
-    if any(t.dim() != 3 or t.shape[0] != n or t.shape[2] != d or t.stride(2) != 1 or t.dtype != query.dtype
-           for t in tensors) or key.shape[1] != value.shape[1]:
-        return False
-    for t in (rope.cos, rope.sin):
-        if (t.dtype != query.dtype or t.device != query.device or t.shape[0] != n or t.shape[-1] != d
-                or t.numel() != n * d or t.stride(-1) != 1 or t.stride(0) != rope.cos.stride(0)):
-            return False
-    weights = (rope.q_weight, rope.k_weight)
-    if (weights[0] is None) != (weights[1] is None):
-        return False
-    if weights[0] is not None and any(w.dtype != query.dtype or w.shape != (d,) or w.stride(0) != 1
-                                      or w.device != query.device for w in weights):
-        return False
-    es = query.element_size()
-    ptrs = [t.data_ptr() for t in (*tensors, rope.cos, rope.sin)] + [w.data_ptr() for w in weights if w is not None]
-    strides = [t.stride(i) * es for t in tensors for i in (0, 1)] + [rope.cos.stride(0) * es]
-    return all(x % 16 == 0 for x in (*ptrs, *strides))
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -317,7 +293,8 @@ class CudaPagedBackend(AttentionBackend):
         if fuses is False:  # decided for an earlier layer of the step
             return None
         slots = metadata.slot_mapping
-        if (not _rows_fit(query, key, value, rope) or slots.dtype != torch.int64 or not slots.is_contiguous()
+        if (not qk_rope_rows_fit(query, key, rope.cos, rope.sin, rope.q_weight, rope.k_weight, value)
+                or key.shape[1] != value.shape[1] or slots.dtype != torch.int64 or not slots.is_contiguous()
                 or slots.shape[0] < plan.rows):
             return None
         p = self._params(query, kv_cache, plan, scale, sliding_window, softcap, k_scale, v_scale)

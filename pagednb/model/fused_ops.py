@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from pagednb.attention.kv_quant import is_fp8
 from pagednb.kernels import LazyKernel, check_status, current_stream, dtype_codes, head_dims
+from pagednb.kernels.qk_rope_rows import qk_rope_rows_fit
 from pagednb.model.rotary import apply_rotary
 
 
@@ -181,22 +182,7 @@ class FusedKernels:
         if code is None or q.dim() != 3 or k.dim() != 3:
             return None
         n, heads, d = q.shape
-        if (d not in self._head_dims or n == 0 or k.shape[0] != n or k.shape[2] != d or k.dtype != q.dtype
-                or q.stride(2) != 1 or k.stride(2) != 1):
-            return None
-        for t in (cos, sin):  # [N, 1, D] or [N, D]: one dense row per token
-            if (t.dtype != q.dtype or t.device != q.device or t.shape[0] != n or t.shape[-1] != d
-                    or t.numel() != n * d or t.stride(-1) != 1 or t.stride(0) != cos.stride(0)):
-                return None
-        w_ptrs = 0
-        if q_weight is not None or k_weight is not None:
-            for w in (q_weight, k_weight):
-                if w is None or w.dtype != q.dtype or w.shape != (d,) or w.stride(0) != 1 or w.device != q.device:
-                    return None
-            w_ptrs = q_weight.data_ptr() | k_weight.data_ptr()
-        strides = q.stride(0) | q.stride(1) | k.stride(0) | k.stride(1) | cos.stride(0)
-        if (q.data_ptr() | k.data_ptr() | cos.data_ptr() | sin.data_ptr() | w_ptrs
-                | strides * q.element_size()) % 16:
+        if d not in self._head_dims or n == 0 or not qk_rope_rows_fit(q, k, cos, sin, q_weight, k_weight):
             return None
         write = _cache_write_args(cache_write, q, k)
         if write is None:
