@@ -290,7 +290,7 @@ def copy_bandwidth(reps: int) -> float:
 
 
 def bench_fp8_heads(backend, heads: int, kv_heads: int, B: int, T: int, reps: int, gen, copy: float) -> dict:
-    """fp8 decode at another head count (Qwen3-0.6B's 16 q / 8 kv: 2 per kv head), tensor cores (variant 4, the
+    """fp8 decode at another head count (Qwen3-0.6B's 16 q / 8 kv: 2 per kv head), tensor cores (variant 5, the
     default) vs the row kernel (variant 2 there)."""
     global H, HKV
     saved = H, HKV

@@ -2,15 +2,15 @@
 
 Two engines of the same code differ by 1-3% run to run (benchmarks/NOTES.md), more than many changes worth having,
 so each configuration here is an environment setting that the engine reads when it starts (PAGEDNB_ROW_VARIANT,
-PAGEDNB_LONGEST_FIRST, PAGEDNB_GEMM_PDL, PAGEDNB_FUSE_ROPE, PAGEDNB_FUSE_ROPE_WAVES), and the configurations run in
-turn, in order and then in reverse, each on a
-fresh LLM: a slow spell of the machine falls on all of them alike. Until issue 19's fourteenth round the first run of
-a process ran 1-5% slow (cuBLAS met a new LM-head shape in each of its prefill steps; eager steps now pad those rows
-to a graph bucket size), so --warmup runs (default 1) of the first configuration still come first and are not
-counted. PAGEDNB_PDL is read once per process, so it is not an A/B knob here.
+PAGEDNB_LONGEST_FIRST, PAGEDNB_GEMM_PDL, PAGEDNB_FUSE_ROPE, PAGEDNB_FUSE_ROPE_WAVES, PAGEDNB_FUSE_ROPE_SPLIT), and
+the configurations run in turn, in order and then in reverse, each on a fresh LLM: a slow spell of the machine falls
+on all of them alike. Until issue 19's fourteenth round the first run of a process ran 1-5% slow (cuBLAS met a new
+LM-head shape in each of its prefill steps; eager steps now pad those rows to a graph bucket size), so --warmup runs
+(default 1) of the first configuration still come first and are not counted. PAGEDNB_PDL is read once per process,
+so it is not an A/B knob here.
 
     python benchmarks/whole_run_ab.py --shape qwen3-0.6b --kv-cache-dtype fp8 \
-        --configs PAGEDNB_ROW_VARIANT=2 PAGEDNB_ROW_VARIANT=4
+        --configs default PAGEDNB_ROW_VARIANT=4
 """
 from __future__ import annotations
 

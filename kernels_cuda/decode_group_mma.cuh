@@ -251,11 +251,17 @@ __global__ void __launch_bounds__(128) group_mma_decode_kernel(const AttnParams 
 // operand of the second product, is S^T's accumulator layout transposed by movmatrix. The MMAs are f16: the
 // cache's values are f16 values, P is in [0, 1], and a bf16 query is scaled by a power of 2 (its largest
 // magnitude into [2^14, 2^15)) before its conversion, the factor folded into the score scale.
-template <int D, int KH>
+// LEAN (row variant 5, the backend's default; two kv heads per CTA at head_dim 128 only): 32 KB per kv head (two
+// stages) and at most 168 registers (~40 bytes spilled), so 3 CTAs (12 warps) share an SM where 174 registers and
+// 96 KB held it to 2 (8 warps): with 2 warps per scheduler the per-tile chain (fragment loads, conversions, MMAs,
+// the softmax's shuffles) was not hidden. On the H200 the standard workload's fp8 decode attention took 2.288 s a
+// run against 2.407 and whole runs gained 1.5% (benchmarks/NOTES.md, issue 19's sixteenth round).
+template <int D, int KH, bool LEAN = false>
 struct GroupFp8Cfg {
   static constexpr int NW = 4, NT = 32 * NW;
   static constexpr int BN = 16;                   // tokens per warp tile
-  static constexpr int S = 384 / D;               // ring stages per warp: 48 KB per kv head
+  static constexpr int S = (LEAN ? 256 : 384) / D;  // ring stages per warp: 48 KB per kv head (LEAN: 32)
+  static constexpr int MIN_CTAS = LEAN ? 3 : 0;   // __launch_bounds__'s resident CTAs per SM (0: none asked)
   static constexpr int RB = KH * D;               // bytes of a token row of the tile (K or V of KH heads)
   static constexpr int CPR = RB / 16;             // 16-byte chunks per token row
   static constexpr int CPL = BN * CPR / 32;       // chunks per lane per K (or V) tile
@@ -439,12 +445,15 @@ __device__ __forceinline__ void fp8_softmax(const AttnParams& p, float (&sc)[NN]
 // T: the query's type; KH: kv heads per CTA (2: one-partition launches only); NN: column tiles of 8 query
 // heads (1: G <= 8); CAP: soft-capping; SPLIT: P > 1; FUSE: p.fuse_rope (decode.cuh's FusedRope: the CTA norms
 // and rotates its query heads into a shared tile, and writes the new token's K/V)
-template <typename T, int D, int KH, int NN, bool CAP = false, bool SPLIT = false, bool FUSE = false>
-__global__ void __launch_bounds__(128) group_mma_fp8_decode_kernel(const AttnParams p) {
+template <typename T, int D, int KH, int NN, bool CAP = false, bool SPLIT = false, bool FUSE = false,
+          bool LEAN = false>
+__global__ void __launch_bounds__(128, GroupFp8Cfg<D, KH, LEAN>::MIN_CTAS) group_mma_fp8_decode_kernel(
+    const AttnParams p) {
   static_assert(KH == 1 || !SPLIT, "the split-K merge counts one kv head per CTA");
   static_assert(!FUSE || !CAP, "no soft-capped model fuses (decode_fuses_rope)");
+  static_assert(!LEAN || KH == 2, "the lean ring is the two-head CTA's");
   if constexpr (!SPLIT) decode_entry(p);
-  using C = GroupFp8Cfg<D, KH>;
+  using C = GroupFp8Cfg<D, KH, LEAN>;
   constexpr int NW = C::NW, BN = C::BN, S = C::S, CPR = C::CPR, CPL = C::CPL;
   extern __shared__ __align__(16) unsigned char dyn_smem[];
 
@@ -628,21 +637,23 @@ int occupancy_group_mma_t() {
 }
 
 // The fp8 kernel's host side, as above
-template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT = false, bool FUSE = false>
+template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT = false, bool FUSE = false, bool LEAN = false>
 cudaError_t configure_group_fp8() {
-  static const cudaError_t e = cudaFuncSetAttribute(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT, FUSE>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    GroupFp8Cfg<D, KH>::SMEM);
+  static const cudaError_t e = cudaFuncSetAttribute(
+      group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT, FUSE, LEAN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      GroupFp8Cfg<D, KH, LEAN>::SMEM);
   return e;
 }
 
-template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT, bool FUSE>
+template <typename T, int D, int KH, int NN, bool CAP, bool SPLIT, bool FUSE, bool LEAN = false>
 int launch_group_fp8_variant(const AttnParams& p, cudaStream_t st) {
-  using C = GroupFp8Cfg<D, KH>;
-  if (const cudaError_t e = configure_group_fp8<T, D, KH, NN, CAP, SPLIT, FUSE>(); e != cudaSuccess) return (int)e;
+  using C = GroupFp8Cfg<D, KH, LEAN>;
+  if (const cudaError_t e = configure_group_fp8<T, D, KH, NN, CAP, SPLIT, FUSE, LEAN>(); e != cudaSuccess)
+    return (int)e;
   dim3 grid;
   if (!decode_grid(p, p.Hkv / KH, grid)) return -1;
-  return launch_pdl(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT, FUSE>, grid, dim3(C::NT), C::SMEM, st, p);
+  return launch_pdl(group_mma_fp8_decode_kernel<T, D, KH, NN, CAP, SPLIT, FUSE, LEAN>, grid, dim3(C::NT), C::SMEM,
+                    st, p);
 }
 
 // Two kv heads per CTA where a launch has one partition, up to 8 query heads per kv head, an even number of kv
@@ -652,7 +663,11 @@ template <typename T, int D, int NN, bool CAP, bool FUSE>
 int launch_group_fp8_heads(const AttnParams& p, cudaStream_t st) {
   if (p.P > 1) return launch_group_fp8_variant<T, D, 1, NN, CAP, true, FUSE>(p, st);
   if constexpr (NN == 1 && !CAP)
-    if (p.Hkv % 2 == 0) return launch_group_fp8_variant<T, D, 2, NN, CAP, false, FUSE>(p, st);
+    if (p.Hkv % 2 == 0) {
+      if constexpr (D == 128)  // row variant 5 (the default): the lean ring (GroupFp8Cfg)
+        if (p.row_variant == 5) return launch_group_fp8_variant<T, D, 2, NN, CAP, false, FUSE, true>(p, st);
+      return launch_group_fp8_variant<T, D, 2, NN, CAP, false, FUSE>(p, st);
+    }
   return launch_group_fp8_variant<T, D, 1, NN, CAP, false, FUSE>(p, st);
 }
 

@@ -40,8 +40,9 @@ struct AttnParams {
   int max_tiles;             // prefill kernel: set by the launcher (ceil(max_query_len / BM))
   float scale_log2;          // softmax scale * log2(e)
   int row_variant;           // row kernel: 2 = tensor cores for large GQA groups where group_mma_applies, else
-                             // as 1; 3 = as 2, with two kv heads per CTA where row_kv_per_cta; 4 (the backend's
-                             // default) = as 2, with tensor cores for an fp8 cache from 2 heads (group_mma_applies);
+                             // as 1; 3 = as 2, with two kv heads per CTA where row_kv_per_cta; 4 = as 2, with
+                             // tensor cores for an fp8 cache from 2 heads (group_mma_applies); 5 (the backend's
+                             // default) = as 4, the fp8 two-head CTA's lean ring at head_dim 128 (GroupFp8Cfg);
                              // 1 = cp.async ring (16-bit types); 0 = direct loads
   float softcap_log2;        // attention logit soft-capping (Gemma 2) in log2 units, softcap * log2(e); 0: none
   int cache_fp8;             // 1: the cache holds float8 e4m3, fp8(x / scale) (common.cuh); 0: the query's dtype
@@ -72,11 +73,11 @@ struct AttnParams {
 // instruction-bound (benchmarks/NOTES.md). At head_dim 128 the row kernel already reads 16-bit K/V at ~4 TB/s and
 // keeps them. Over an fp8 cache the row kernel does twice the multiply-adds per byte read (plus the
 // conversions), so the tensor-core kernel serves head_dim 128 as well: from 4 heads per kv head under variants 2
-// and 3, from 2 under variant 4 (the backend's default since issue 19's ninth round: with Qwen3-0.6B's 2 heads
+// and 3, from 2 under variants 4 and 5 (the backend's default since issue 19's ninth round: with Qwen3-0.6B's 2 heads
 // per kv head the row kernel spends ~4 instructions per fp8 byte; the tensor-core kernel, launched longest first,
 // ran the standard workload 5.9% faster). Bindings (split plan) and launchers (dispatch) both ask this function.
 inline bool group_mma_applies(int dtype, int head_dim, int G, int row_variant, int cache_fp8) {
-  const int min_group = row_variant == 4 && cache_fp8 && head_dim == 128 ? 2 : 4;
+  const int min_group = (row_variant == 4 || row_variant == 5) && cache_fp8 && head_dim == 128 ? 2 : 4;
   return row_variant >= 2 && (dtype == kFloat16 || dtype == kBFloat16) && G >= min_group && G <= 16 &&
          (head_dim == 64 || (cache_fp8 && head_dim == 128));
 }

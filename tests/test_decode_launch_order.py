@@ -117,7 +117,7 @@ FP8 = [
 
 
 @gpu
-@pytest.mark.parametrize("variant", [None, 3, 4], ids=["variant", "variant-3", "variant-4"])
+@pytest.mark.parametrize("variant", [None, 3, 4, 5], ids=["variant", "variant-3", "variant-4", "variant-5"])
 @pytest.mark.parametrize("case_id", range(len(FP8)))
 def test_an_fp8_cache_matches_the_reference_and_batch_order(backend, case_id, variant):
     from test_fp8_kv_cache import check_fp8
@@ -138,6 +138,26 @@ def test_an_fp8_cache_matches_the_reference_and_batch_order(backend, case_id, va
     batch_out, _ = attend_in(backend, case, False, 0.5, 2.0, cache)
     assert (order is not None) == (rows >= ORDER_MIN_ROWS)
     assert torch.equal(sorted_out, batch_out)
+    assert counters_are_zero(backend)
+
+
+@gpu
+@pytest.mark.parametrize("case_id", range(len(FP8)))
+def test_the_lean_fp8_ring_gives_variant_4s_bits(backend, case_id):
+    # row variant 5 differs from 4 only in the fp8 two-head CTA's ring (two stages of 16 tokens per warp, not
+    # three) and its register cap (three CTAs per SM): the same tiles per warp, added in the same order
+    from pagednb.attention.kv_quant import FP8_DTYPE, quantize
+    rows, h, hkv, split = FP8[case_id]
+    backend.split_tokens = backend.tail_tokens = split
+    case = Case(mixed_lens(random.Random(90 + case_id), rows, 2000), [1] * rows, h, hkv, 128, 16, torch.bfloat16,
+                pad_rows=1, seed=90 + case_id)
+    cache = torch.stack([quantize(case.cache[0], 0.5).view(torch.uint8),
+                         quantize(case.cache[1], 2.0).view(torch.uint8)]).view(FP8_DTYPE)
+    outs = {}
+    for variant in (4, 5):
+        backend.row_variant = variant  # the fixture's variant is restored after the test
+        outs[variant], _ = attend_in(backend, case, True, 0.5, 2.0, cache)
+    assert torch.equal(outs[4], outs[5])
     assert counters_are_zero(backend)
 
 
@@ -234,10 +254,10 @@ def test_the_row_variant_knob_is_read_from_the_environment_and_checked(monkeypat
     # (benchmarks/whole_run_ab.py); unset, the default; anything else is refused, naming the variable
     from pagednb.attention.cuda_backend import DEFAULT_ROW_VARIANT, row_variant_from_env
     monkeypatch.delenv("PAGEDNB_ROW_VARIANT", raising=False)
-    assert row_variant_from_env() == DEFAULT_ROW_VARIANT == 4
+    assert row_variant_from_env() == DEFAULT_ROW_VARIANT == 5
     monkeypatch.setenv("PAGEDNB_ROW_VARIANT", "2")
     assert row_variant_from_env() == 2
-    for bad in ("5", "-1", "two", "2.0"):
+    for bad in ("6", "-1", "two", "2.0"):
         monkeypatch.setenv("PAGEDNB_ROW_VARIANT", bad)
         with pytest.raises(ValueError, match="PAGEDNB_ROW_VARIANT must be one of"):
             row_variant_from_env()

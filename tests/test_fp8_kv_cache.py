@@ -256,12 +256,13 @@ def test_llama2c_stories_are_the_same_for_50_tokens_with_fp8():
 
 
 # ---- GPU: the kernels on an fp8 cache vs the reference on the same cache ------------------------------------
-@pytest.fixture(scope="module", params=[4, 2, 1, 0], ids=["rows-default", "rows-variant-2", "rows-pipelined",
-                                                          "rows-direct"])
+@pytest.fixture(scope="module", params=[5, 4, 2, 1, 0], ids=["rows-default", "rows-variant-4", "rows-variant-2",
+                                                             "rows-pipelined", "rows-direct"])
 def backend(request):
-    """The CUDA backend with each row-kernel variant (4, the default: tensor cores for 2-16 query heads per kv
-    head at head_dim 128 and 4-16 at head_dim 64 over an fp8 cache, else as 1; 2: as 4 from 4 query heads per kv
-    head; 1: the row kernel's cp.async ring; 0: direct loads)."""
+    """The CUDA backend with each row-kernel variant (5, the default: tensor cores for 2-16 query heads per kv
+    head at head_dim 128 and 4-16 at head_dim 64 over an fp8 cache, two kv heads per CTA on a lean ring at
+    head_dim 128, else as 1; 4: as 5 on the full ring; 2: as 4 from 4 query heads per kv head; 1: the row
+    kernel's cp.async ring; 0: direct loads)."""
     return cuda_backend(request.param)
 
 
@@ -330,7 +331,7 @@ def test_fp8_decode_matches_reference(backend, case_id):
     check_fp8(backend, Case(seq_lens, [1] * batch, h, hkv, d, bs, dtype, window, seed=case_id), ks, vs)
 
 
-# The default row variant (4) runs an fp8 cache at head_dim 128 with 2-3 query heads per kv head (Qwen3-0.6B's
+# The default row variant (5, as 4) runs an fp8 cache at head_dim 128 with 2-3 query heads per kv head (Qwen3-0.6B's
 # 16 / 8) on the tensor-core kernel, rows 2.. (3..) of its MMA tile padding, where variant 2 takes the row kernel.
 # (batch, max_len, heads, kv_heads, block_size, window)
 FP8_SMALL_GROUPS = [

@@ -25,7 +25,7 @@ from test_fused_ops import rope_tables
 from pagednb import LLM, SamplingParams
 from pagednb.attention import TorchReferenceBackend
 from pagednb.attention.backend import RopeInputs
-from pagednb.attention.cuda_backend import DEFAULT_ROW_VARIANT, CudaPagedBackend
+from pagednb.attention.cuda_backend import DEFAULT_FUSE_ROPE_SPLIT_WAVES, DEFAULT_ROW_VARIANT, CudaPagedBackend
 from pagednb.attention.kv_quant import FP8_DTYPE, quantize
 
 
@@ -111,7 +111,7 @@ def make_case(case_id: str, seed: int) -> tuple[Case, RopeInputs]:
 def fusing_backend():
     """The CUDA backend fusing every launch the kernel can take (the policy's limits lifted: the kernel's tests)."""
     backend = cuda_backend(DEFAULT_ROW_VARIANT)
-    backend.fuse_rope_waves, backend.fuse_rope_split = float("inf"), True
+    backend.fuse_rope_waves, backend.fuse_rope_split = float("inf"), (0.0, float("inf"))
     return backend
 
 
@@ -120,6 +120,15 @@ def fusing_backend():
 def test_fused_decode_gives_the_separate_launches_bits(case_id):
     backend = fusing_backend()
     case, rope = make_case(case_id, seed=3000 + list(CASES).index(case_id))
+    check_fused(backend, case, rope)
+
+
+@gpu
+@pytest.mark.parametrize("case_id", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_the_lean_fp8_ring_fuses_with_the_separate_launches_bits(case_id):
+    backend = fusing_backend()
+    backend.row_variant = 5  # the two-head CTA's lean ring (decode_group_mma.cuh GroupFp8Cfg)
+    case, rope = make_case(case_id, seed=3100 + list(CASES).index(case_id))
     check_fused(backend, case, rope)
 
 
@@ -187,24 +196,57 @@ def test_steps_the_fused_launch_cannot_serve_are_declined():
     assert declined(backend, two_heads, rope_inputs(two_heads, 8)), "unaligned query rows"
 
 
-@gpu
-def test_by_default_only_one_partition_launches_of_one_wave_fuse():
-    """The policy (_fusion_pays, from the H200 probe in benchmarks/NOTES.md, issue 19's fifteenth round): a
-    one-partition launch whose CTAs (one per row and kv head) fit one wave of resident CTAs fuses; more rows, or a
-    split launch, take the separate launches."""
-    backend = cuda_backend(DEFAULT_ROW_VARIANT)
+def resident_wave(backend) -> int:
+    """Resident decode CTAs of Qwen3-0.6B's heads over an fp8 cache on this GPU, counted per kv head."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bf16 = backend._dtype_codes[torch.bfloat16]
-    wave = sms * backend._lib.pagednb_decode_resident_ctas(bf16, 128, 2, DEFAULT_ROW_VARIANT, 1)
+    return sms * backend._lib.pagednb_decode_resident_ctas(bf16, 128, 2, DEFAULT_ROW_VARIANT, 1)
+
+
+def partitions_of(case: Case) -> int:
+    return next(iter(case.md._cuda_plan.row_plans.values()))[0]
+
+
+@gpu
+def test_by_default_one_partition_launches_fuse_up_to_one_wave():
+    """The policy (_fusion_pays, from the H200 probe in benchmarks/NOTES.md, issue 19's fifteenth round): a
+    one-partition launch whose CTAs (one per row and kv head) fit one wave of resident CTAs fuses; more rows take
+    the separate launches."""
+    backend = cuda_backend(DEFAULT_ROW_VARIANT)
+    wave = resident_wave(backend)
     rng = random.Random(11)
     for rows, fuses in ((wave // 8, True), (wave // 8 + 1, False), (256, wave >= 256 * 8)):
         case = Case([rng.randint(300, 2000) for _ in range(rows)], [1] * rows, 16, 8, 128, 16, torch.bfloat16,
                     fused_qkv=True, seed=rows)
         assert declined(backend, case, rope_inputs(case, rows)) != fuses, f"{rows} rows"
-        assert next(iter(case.md._cuda_plan.row_plans.values()))[0] == 1, "a one-partition launch"
+        assert partitions_of(case) == 1, "a one-partition launch"
+
+
+@gpu
+def test_by_default_split_launches_fuse_near_one_wave_and_batch_one_does_not():
+    """Split-K launches fuse where their CTAs (rows x kv heads x partitions) come to half a wave to 1.5 waves (the
+    sixteenth round's policy: the probe's 4-48 rows gained 2-9% a layer); a batch-1 launch, a tenth of a wave,
+    keeps the separate launches (it lost 4% fused)."""
+    backend = cuda_backend(DEFAULT_ROW_VARIANT)
+    wave = resident_wave(backend)
+    lo, hi = DEFAULT_FUSE_ROPE_SPLIT_WAVES
+    rng = random.Random(13)
+    seen = {}
+    for rows in (1, 2, 4, 8, 16, 32):
+        case = Case([2000] + [rng.randint(500, 2000) for _ in range(rows - 1)], [1] * rows, 16, 8, 128, 16,
+                    torch.bfloat16, fused_qkv=True, seed=rows)
+        fused = not declined(backend, case, rope_inputs(case, rows))
+        parts = partitions_of(case)
+        if parts == 1:
+            continue
+        seen[rows] = fused
+        assert fused == (lo * wave <= rows * 8 * parts <= hi * wave), f"{rows} rows in {parts} partitions"
+    assert seen.get(1) is False, "batch 1 splits and stays unfused"
+    assert any(seen.values()), f"no split launch fused: {seen}"
     split, rope = make_case("qwen3-0.6b-split", seed=12)
-    assert declined(backend, split, rope), "a split launch"
-    backend.fuse_rope_split = True
+    backend.fuse_rope_split = None
+    assert declined(backend, split, rope), "PAGEDNB_FUSE_ROPE_SPLIT=0"
+    backend.fuse_rope_split = (0.0, float("inf"))
     assert not declined(backend, split, rope)
 
 
@@ -249,6 +291,22 @@ def test_an_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_f
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == \
             [{t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("raw, band", [("0", None), ("1", (0.0, float("inf"))), ("0.25,2", (0.25, 2.0)),
+                                       ("", DEFAULT_FUSE_ROPE_SPLIT_WAVES)])
+def test_the_split_knob_reads_never_always_or_a_band(monkeypatch, raw, band):
+    from pagednb.attention.cuda_backend import _split_band_from_env
+    monkeypatch.setenv("PAGEDNB_FUSE_ROPE_SPLIT", raw)
+    assert _split_band_from_env() == band
+
+
+@pytest.mark.parametrize("raw", ["x", "2,1", "-1,1", "1,2,3", "nan,1"])
+def test_the_split_knob_is_checked_naming_the_variable(monkeypatch, raw):
+    from pagednb.attention.cuda_backend import _split_band_from_env
+    monkeypatch.setenv("PAGEDNB_FUSE_ROPE_SPLIT", raw)
+    with pytest.raises(ValueError, match="PAGEDNB_FUSE_ROPE_SPLIT"):
+        _split_band_from_env()
 
 
 @pytest.mark.parametrize("raw", ["x", "-1", "nan"])

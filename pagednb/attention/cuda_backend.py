@@ -50,12 +50,18 @@ ORDER_MIN_ROWS = 32
 # Decode rows run on the tensor-core kernel for 4-16 query heads per kv head at head_dim 64 (16-bit or fp8 cache)
 # and for 2-16 at head_dim 128 over an fp8 cache (launchers.h group_mma_applies), else on the row kernel. Over an
 # fp8 cache with 2 query heads per kv head (Qwen3-0.6B) the tensor-core kernel, launched longest first, ran the
-# standard workload 5.9% faster than the row kernel (benchmarks/NOTES.md, issue 19, ninth round).
-DEFAULT_ROW_VARIANT = 4
-ROW_VARIANTS = range(5)
+# standard workload 5.9% faster than the row kernel (benchmarks/NOTES.md, issue 19, ninth round). Variant 5 is 4 with
+# that kernel's two-kv-head CTA on a lean ring at head_dim 128 (3 CTAs per SM instead of 2): its decode attention 5%
+# faster, whole runs 1.5% (sixteenth round).
+DEFAULT_ROW_VARIANT = 5
+ROW_VARIANTS = range(6)
 # attend_rope fuses the q/k norm + RoPE + cache write into one-partition decode launches of at most this many waves
 # of resident CTAs (_fusion_pays): over more, each CTA's prologue costs more than the separate launch it saves.
 DEFAULT_FUSE_ROPE_WAVES = 1.0
+# ... and into split-K launches whose CTAs (rows x kv heads x partitions) come to this band of waves: measured faster
+# per layer from 4 to 48 rows (Qwen3-0.6B heads, 0.97-1.45 waves), slower at batch 1 (0.12 waves: too few CTAs for
+# the separate launch's work to cost them anything)
+DEFAULT_FUSE_ROPE_SPLIT_WAVES = (0.5, 1.5)
 # The decode kernels' grid holds rows in blocks of this many (gridDim.y's limit; decode.cuh's kMaxGridRows): a sorted
 # launch fits one block, and split-K counters cover whole blocks.
 GRID_ROWS = 65535
@@ -86,6 +92,23 @@ def _waves_from_env() -> float:
     if not waves >= 0:
         raise ValueError(f"PAGEDNB_FUSE_ROPE_WAVES must be a number of waves >= 0, got {raw!r}")
     return waves
+
+
+def _split_band_from_env() -> tuple[float, float] | None:
+    """PAGEDNB_FUSE_ROPE_SPLIT (an A/B knob of benchmarks/whole_run_ab.py): "0" (no split launch fuses), "1" (every
+    one) or "LO,HI" (waves), else DEFAULT_FUSE_ROPE_SPLIT_WAVES."""
+    raw = os.environ.get("PAGEDNB_FUSE_ROPE_SPLIT", "").strip()
+    if not raw:
+        return DEFAULT_FUSE_ROPE_SPLIT_WAVES
+    if raw in ("0", "1"):
+        return None if raw == "0" else (0.0, float("inf"))
+    try:
+        lo, hi = (float(x) for x in raw.split(","))
+    except ValueError:
+        lo = hi = -1.0
+    if not 0 <= lo <= hi:
+        raise ValueError(f"PAGEDNB_FUSE_ROPE_SPLIT must be 0, 1 or LO,HI waves with 0 <= LO <= HI, got {raw!r}")
+    return lo, hi
 
 
 class _StepPlan:
@@ -159,9 +182,10 @@ class CudaPagedBackend(AttentionBackend):
         self._num_sms: dict[int, int] = {}
         self._part_counters: dict[int, list[torch.Tensor]] = {}
         # decode rows (launchers.h): DEFAULT_ROW_VARIANT, or for benchmarks and tests (PAGEDNB_ROW_VARIANT sets it
-        # for A/B runs of a whole engine) 2 (as 4 but for an fp8 cache with 2-3 query heads per kv head at head_dim
-        # 128: the row kernel), 3 (as 2, with two kv heads per row-kernel CTA there), 1 (the cp.async-pipelined row
-        # kernel (bf16/fp16)) or 0 (direct loads)
+        # for A/B runs of a whole engine) 4 (as 5 with the fp8 tensor-core kernel's two-kv-head CTA on its full
+        # ring: 2 CTAs per SM), 2 (as 4 but for an fp8 cache with 2-3 query heads per kv head at head_dim 128: the
+        # row kernel), 3 (as 2, with two kv heads per row-kernel CTA there), 1 (the cp.async-pipelined row kernel
+        # (bf16/fp16)) or 0 (direct loads)
         self.row_variant = row_variant_from_env()
         # decode rows longest first at ORDER_MIN_ROWS and more (False: in batch order; PAGEDNB_LONGEST_FIRST=0
         # sets it for A/B runs of a whole engine, as PAGEDNB_PDL=0 does for programmatic dependent launch)
@@ -174,9 +198,10 @@ class CudaPagedBackend(AttentionBackend):
         # (attend_rope; PAGEDNB_FUSE_ROPE=0: a launch of their own, for A/B runs of a whole engine)
         self.fuse_rope = os.environ.get("PAGEDNB_FUSE_ROPE", "1") != "0"
         # where it fuses (_fusion_pays): one-partition launches of up to this many waves of resident CTAs, and split
-        # launches if fuse_rope_split (PAGEDNB_FUSE_ROPE_WAVES / PAGEDNB_FUSE_ROPE_SPLIT: A/B knobs)
+        # launches whose CTAs come to this band of waves (None: none) (PAGEDNB_FUSE_ROPE_WAVES /
+        # PAGEDNB_FUSE_ROPE_SPLIT: A/B knobs)
         self.fuse_rope_waves = _waves_from_env()
-        self.fuse_rope_split = os.environ.get("PAGEDNB_FUSE_ROPE_SPLIT", "0") != "0"
+        self.fuse_rope_split = _split_band_from_env()
         self._waves: dict[tuple, int] = {}
         # A/B knobs of benchmarks/kernels.py --only workload (None: the planner's choice): one-partition launches
         # (large batches) split into partitions of split_tokens where the plan's longest row is longer; split
@@ -328,22 +353,29 @@ class CudaPagedBackend(AttentionBackend):
 
     def _fusion_pays(self, dtype: int, head_dim: int, p: AttnParams, partitions: int, device: torch.device) -> bool:
         """Where the fused launch measured faster than the separate q/k norm + RoPE launch and decode launch: a
-        one-partition launch of at most fuse_rope_waves waves of CTAs (split launches only with fuse_rope_split).
-        Each fused CTA does its prologue after its wait, where the separate kernel's work ran beside the decode
-        CTAs' early key copies, so over many waves the prologues cost more than the launch they save
-        (benchmarks/NOTES.md, issue 19's fifteenth round)."""
+        one-partition launch of at most fuse_rope_waves waves of CTAs, a split launch whose CTAs come to the
+        fuse_rope_split band of waves. Each fused CTA does its prologue after its wait, where the separate kernel's
+        work ran beside the decode CTAs' early key copies, so over many waves the prologues cost more than the launch
+        they save, and a launch of far less than a wave (batch 1) has too few CTAs to hide that work behind
+        (benchmarks/NOTES.md, issue 19's fifteenth and sixteenth rounds)."""
+        wave = self._wave(dtype, head_dim, p, device)
         if partitions > 1:
-            return self.fuse_rope_split
+            band = self.fuse_rope_split
+            return band is not None and band[0] * wave <= p.num_rows * p.Hkv * partitions <= band[1] * wave
+        return p.num_rows * p.Hkv <= self.fuse_rope_waves * wave
+
+    def _wave(self, dtype: int, head_dim: int, p: AttnParams, device: torch.device) -> int:
+        """Resident decode CTAs on the whole GPU, counted per kv head (a two-head CTA counts as two)."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
         key = (dtype, head_dim, p.G, p.row_variant, idx)
         wave = self._waves.get(key)
-        if wave is None:  # resident CTAs (of one kv head each) on the whole GPU
+        if wave is None:
             sms = self._num_sms.get(idx)
             if sms is None:
                 sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
             wave = self._waves[key] = sms * self._lib.pagednb_decode_resident_ctas(dtype, head_dim, p.G,
                                                                                    p.row_variant, p.cache_fp8)
-        return p.num_rows * p.Hkv <= self.fuse_rope_waves * wave
+        return wave
 
     def _attend_reason(self, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
         """Why attend must go to the reference for these inputs (None: the kernels serve them)."""
