@@ -370,12 +370,17 @@ class CudaPagedBackend(AttentionBackend):
         key = (dtype, head_dim, p.G, p.row_variant, idx)
         wave = self._waves.get(key)
         if wave is None:
-            sms = self._num_sms.get(idx)
-            if sms is None:
-                sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-            wave = self._waves[key] = sms * self._lib.pagednb_decode_resident_ctas(dtype, head_dim, p.G,
-                                                                                   p.row_variant, p.cache_fp8)
+            wave = self._waves[key] = self._sm_count(device) * self._lib.pagednb_decode_resident_ctas(
+                dtype, head_dim, p.G, p.row_variant, p.cache_fp8)
         return wave
+
+    def _sm_count(self, device: torch.device) -> int:
+        """The device's SMs (one property query per device)."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        sms = self._num_sms.get(idx)
+        if sms is None:
+            sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        return sms
 
     def _attend_reason(self, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
         """Why attend must go to the reference for these inputs (None: the kernels serve them)."""
@@ -470,10 +475,7 @@ class CudaPagedBackend(AttentionBackend):
 
     def _row_plan(self, dtype: int, head_dim: int, group: int, num_kv_heads: int, variant: int, fp8: bool,
                   rows: int, range_max: int, device: torch.device) -> tuple[int, int, int]:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        sms = self._num_sms.get(idx)
-        if sms is None:
-            sms = self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        sms = self._sm_count(device)
         P, size, groups = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         rc = self._lib.pagednb_row_plan(dtype, head_dim, group, num_kv_heads, max(rows, 1), max(range_max, 1), sms,
                                         variant, int(fp8), ctypes.byref(P), ctypes.byref(size), ctypes.byref(groups))
